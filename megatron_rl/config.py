@@ -1,0 +1,780 @@
+"""Typed run configuration: dataclasses, YAML recipes, dotted overrides, validation.
+
+This module owns the shape of a megatron_rl run. A run is one `RunConfig`, built from
+
+    recipe YAML (with `base:` inheritance)  ->  model config YAML (model_configs/)  ->  dotted overrides
+
+and validated on construction: every error names the dotted field to change and, for a choice, the
+allowed values. The resolved config is written into the run directory (`save_config`).
+
+Defaults are the ScaleRL recipe of ../shared/SCALERL.md (the paper's values); choices the paper leaves
+open are marked "(ours)" in the field docstrings.
+
+This module imports no torch, Megatron, SGLang or Ray (tests/unit/test_config.py proves it): the CLI,
+the Slurm launcher and the recipe checks parse configs without paying for heavy imports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+RECIPES_DIR = PACKAGE_DIR / "recipes"
+MODEL_CONFIGS_DIR = PACKAGE_DIR.parent / "model_configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message starts with the dotted field name."""
+
+
+def _fail(name: str, message: str) -> typing.NoReturn:
+    raise ConfigError(f"{name}: {message}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Model
+
+
+@dataclass
+class MoEConfig:
+    """Mixture-of-experts settings; `num_experts: null` means a dense model."""
+
+    num_experts: int | None = None
+    """Routed experts per MoE layer (Llama-4 Scout: 16; Qwen3-30B-A3B: 128)."""
+    router_topk: int = 1
+    """Experts each token is routed to."""
+    ffn_hidden_size: int | None = None
+    """Hidden size of one routed expert's MLP (defaults to model.ffn_hidden_size)."""
+    shared_expert_ffn_hidden_size: int | None = None
+    """Hidden size of the always-on shared expert (Llama-4: one of the expert's size); null = none."""
+    layer_freq: int = 1
+    """Every Nth layer is MoE (1 = all layers); Llama-4 Maverick interleaves, Scout does not."""
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router gate: softmax (Qwen3-MoE) or sigmoid (Llama-4)."""
+    router_pre_softmax: bool = False
+    """Softmax over all experts before top-k (Qwen3-MoE `norm_topk_prob=False`)."""
+    apply_probs_on_input: bool = False
+    """Multiply the router weight into the expert input rather than its output (Llama-4)."""
+    aux_loss_coeff: float = 0.0
+    """Load-balancing auxiliary loss coefficient (0 = off; RL fine-tuning usually keeps it off)."""
+    token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """megatron-core token dispatcher; on CPU the trainer switches alltoall to allgather (no streams)."""
+
+    def __post_init__(self) -> None:
+        if self.num_experts is not None:
+            if self.num_experts < 1:
+                _fail("num_experts", f"must be >= 1 or null, got {self.num_experts}")
+            if not 1 <= self.router_topk <= self.num_experts:
+                _fail("router_topk", f"must be in [1, num_experts={self.num_experts}], got {self.router_topk}")
+        if self.layer_freq < 1:
+            _fail("layer_freq", f"must be >= 1, got {self.layer_freq}")
+
+
+@dataclass
+class ParallelLayout:
+    """The parallel layout a model config was sized for (documentation plus a default)."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    sequence_parallel: bool = False
+    trainer_gpus: int = 1
+    generator_gpus: int = 0
+    generator_tp: int = 1
+
+
+@dataclass
+class ModelConfig:
+    """Transformer architecture; one YAML file per model in model_configs/."""
+
+    name: str = "tiny_dense"
+    """Model config name (file stem in model_configs/)."""
+    family: Literal["llama", "qwen3", "qwen3_moe", "llama4"] = "llama"
+    """HF family: selects the conversion mapping and architecture details."""
+    num_layers: int = 2
+    hidden_size: int = 64
+    ffn_hidden_size: int = 176
+    num_attention_heads: int = 4
+    num_query_groups: int = 2
+    """KV heads (GQA); equal to num_attention_heads for MHA."""
+    kv_channels: int | None = None
+    """Head dimension; null = hidden_size / num_attention_heads."""
+    vocab_size: int = 512
+    max_position_embeddings: int = 2048
+    rotary_base: float = 10000.0
+    rope_scaling_factor: float | None = None
+    """Llama-3.1 style RoPE frequency scaling factor (8.0 for Llama-3.1); null = none."""
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    qk_layernorm: bool = False
+    """Per-head RMSNorm on queries and keys (Qwen3)."""
+    qk_l2_norm: bool = False
+    """Weightless L2 norm on q/k of RoPE layers (Llama-4)."""
+    no_rope_freq: int | None = None
+    """Every Nth layer uses no RoPE (Llama-4: 4); null = RoPE everywhere."""
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    """The layout this config was sized for (see model_configs/*.yaml)."""
+    hf_path: str | None = None
+    """HF checkpoint directory to start from; null = random init (tests and the CPU demo)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "vocab_size"):
+            if getattr(self, name) < 1:
+                _fail(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_query_groups:
+            _fail(
+                "num_query_groups",
+                f"must divide num_attention_heads={self.num_attention_heads}, got {self.num_query_groups}",
+            )
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
+            _fail("kv_channels", "must be set when hidden_size is not a multiple of num_attention_heads")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe.num_experts is not None
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+
+# --------------------------------------------------------------------------------------------------
+# Trainer
+
+
+@dataclass
+class ParallelConfig:
+    """How trainer ranks split the model: tensor, pipeline, expert parallel; data parallel is the rest."""
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    trainer_devices: int = 1
+    """Trainer ranks in total (GPUs, or processes on CPU). dp = trainer_devices / (tp * pp)."""
+    sequence_parallel: bool = False
+    """Needed for MoE with tp > 1 (Transformer Engine only; not available on CPU)."""
+    distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (megatron-core DistributedOptimizer)."""
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "ep", "trainer_devices"):
+            if getattr(self, name) < 1:
+                _fail(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.trainer_devices % (self.tp * self.pp):
+            _fail("trainer_devices", f"must be a multiple of tp*pp={self.tp * self.pp}, got {self.trainer_devices}")
+
+    @property
+    def dp(self) -> int:
+        return self.trainer_devices // (self.tp * self.pp)
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with a linear warm-up to a constant learning rate (SCALERL.md §6)."""
+
+    lr: float = 5e-7
+    warmup_steps: int = 100
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    """(ours) the paper does not state betas; 0.95 is Megatron's RL default."""
+    adam_eps: float = 1e-15
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (ours); 0 disables it."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            _fail("lr", f"must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            _fail("warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            _fail("adam_beta1", "adam_beta1 and adam_beta2 must be in [0, 1)")
+        if self.grad_clip < 0:
+            _fail("grad_clip", f"must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class TrainerConfig:
+    """The Megatron-Core trainer: precision, optimizer, micro-batching."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    params_dtype: Literal["bf16", "fp32"] = "bf16"
+    """Dtype of the transformer body. CPU tests use fp32 for exact comparisons."""
+    fp32_lm_head: bool = True
+    """Output layer weights, matmul and log-softmax in fp32 (SCALERL.md §3; `loo-fp32` turns it off)."""
+    micro_batch_tokens: int = 16384
+    """Token budget of one packed micro-batch."""
+    logprob_chunk_tokens: int = 1024
+    """Tokens per chunk in the fp32 log-prob/entropy computation (bounds the [chunk x vocab] buffer)."""
+    layer_spec: Literal["auto", "transformer_engine", "local"] = "auto"
+    """auto = Transformer Engine when importable and CUDA is present, else megatron-core's local spec."""
+    seed: int = 1234
+
+
+# --------------------------------------------------------------------------------------------------
+# Algorithm
+
+LOSS_DEFAULT_EPS: dict[str, tuple[float, float]] = {
+    # Paper's working values (SCALERL.md §2): (eps_low, eps_high) of the PPO-style clip.
+    "gspo": (3e-3, 5e-3),
+    "dapo": (0.2, 0.28),
+    "grpo": (0.2, 0.2),
+    "cispo": (0.2, 0.28),  # unused by CISPO itself (it caps at eps_max); kept for the clip metric
+}
+
+
+@dataclass
+class LengthPenaltyConfig:
+    """DAPO's overlong reward shaping, used by the `loo-lp` ablation instead of interruption."""
+
+    enabled: bool = False
+    max_length: int = 14336
+    """L_max: completion length at which the penalty reaches -1 (ours: thinking + answer budget)."""
+    cache_length: int = 2048
+    """L_cache: width of the soft-penalty ramp before max_length (ours)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.cache_length <= self.max_length:
+            _fail("cache_length", f"must be in (0, max_length={self.max_length}], got {self.cache_length}")
+
+
+@dataclass
+class AlgoConfig:
+    """The RL objective: loss, ratio clipping, aggregation, advantage normalisation, filters."""
+
+    loss: Literal["cispo", "gspo", "dapo", "grpo"] = "cispo"
+    eps_max: float = 5.0
+    """CISPO: absolute cap on the importance ratio (paper: 4, 5, 8 behave the same; 5 is ours)."""
+    eps_low: float | None = None
+    """PPO-clip lower epsilon; null = the loss's paper value (gspo 3e-3, dapo 0.2, grpo 0.2)."""
+    eps_high: float | None = None
+    """PPO-clip upper epsilon; null = the loss's paper value (gspo 5e-3, dapo 0.28, grpo 0.2)."""
+    aggregation: Literal["prompt", "sample", "token"] = "prompt"
+    advantage_norm: Literal["batch", "group", "none"] = "batch"
+    advantage_eps: float = 1e-6
+    """Added to the std in advantage normalisation (ours)."""
+    zero_variance_filter: bool = True
+    """Drop groups whose G rewards are all equal (no refill)."""
+    no_positive_resampling: float | None = 0.9
+    """Pass-rate threshold at which a prompt leaves all later epochs; null = off."""
+    length_penalty: LengthPenaltyConfig = field(default_factory=LengthPenaltyConfig)
+
+    def __post_init__(self) -> None:
+        low, high = LOSS_DEFAULT_EPS[self.loss]
+        if self.eps_low is None:
+            self.eps_low = low
+        if self.eps_high is None:
+            self.eps_high = high
+        if self.eps_max <= 1.0:
+            _fail("eps_max", f"must be > 1 (it caps the ratio rho), got {self.eps_max}")
+        if not 0 <= self.eps_low < 1:
+            _fail("eps_low", f"must be in [0, 1), got {self.eps_low}")
+        if self.eps_high < 0:
+            _fail("eps_high", f"must be >= 0, got {self.eps_high}")
+        if self.no_positive_resampling is not None and not 0 < self.no_positive_resampling <= 1:
+            _fail("no_positive_resampling", f"must be in (0, 1] or null, got {self.no_positive_resampling}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Rollout
+
+
+@dataclass
+class InterruptionConfig:
+    """Length control by interruption (SCALERL.md §5)."""
+
+    enabled: bool = True
+    min_thinking_tokens: int = 10240
+    """Lower end of the per-sequence thinking budget, drawn uniformly (paper: 10k)."""
+    max_thinking_tokens: int = 12288
+    """Upper end of the draw and the hard thinking budget (paper: 12k of 12,288)."""
+    phrase: str = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
+    """Injected when thinking reaches its budget without `</think>`; masked out of the loss."""
+    end_of_thinking: str = "</think>"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_thinking_tokens <= self.max_thinking_tokens:
+            _fail(
+                "min_thinking_tokens",
+                f"must be in (0, max_thinking_tokens={self.max_thinking_tokens}], got {self.min_thinking_tokens}",
+            )
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            _fail("temperature", f"must be > 0 (RL needs sampling), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class EngineConfig:
+    """SGLang generator servers."""
+
+    kind: Literal["sglang"] = "sglang"
+    num_engines: int = 1
+    tp: int = 1
+    """Tensor-parallel size of one SGLang engine (GPUs per engine)."""
+    fp32_lm_head: bool = True
+    """Start SGLang with its fp32 LM-head flag (SCALERL.md §3)."""
+    mem_fraction: float = 0.85
+    dtype: Literal["bfloat16", "float32", "auto"] = "bfloat16"
+    device: Literal["cuda", "cpu"] = "cuda"
+    router: bool = True
+    """Put SGLang's router in front of several engines; false = client-side round robin."""
+    extra_args: list[str] = field(default_factory=list)
+    """Extra `sglang.launch_server` flags, passed through verbatim."""
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            _fail("num_engines", f"must be >= 1, got {self.num_engines}")
+        if not 0 < self.mem_fraction <= 1:
+            _fail("mem_fraction", f"must be in (0, 1], got {self.mem_fraction}")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation: engines, the asynchronous pipeline, batch shape and length budgets."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    mode: Literal["pipeline", "ppo_off_policy"] = "pipeline"
+    """pipeline = PipelineRL-k (in-flight weight updates); ppo_off_policy = PPO-off-policy-k."""
+    k: int = 8
+    """Max policy versions between generation and use (pipeline), or minibatches per sync (off-policy)."""
+    prompts_per_step: int = 48
+    generations_per_prompt: int = 16
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    max_prompt_tokens: int = 2048
+    answer_tokens: int = 2048
+    """Budget after the end of thinking (after interruption, up to this many tokens more)."""
+    interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
+    weight_sync: Literal["distributed", "tensor", "disk"] = "distributed"
+    """Trainer -> engines transport: a process group (NCCL/gloo), CPU tensors over HTTP, or files."""
+    sync_bucket_mb: int = 512
+    max_retries: int = 3
+    """Retries of a request whose engine failed, on another engine or after restart."""
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            _fail("k", f"must be >= 1, got {self.k}")
+        if self.prompts_per_step < 1:
+            _fail("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
+        if self.generations_per_prompt < 2:
+            _fail("generations_per_prompt", f"must be >= 2 (advantages compare within a group), got "
+                  f"{self.generations_per_prompt}")
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.generations_per_prompt
+
+    @property
+    def max_completion_tokens(self) -> int:
+        return self.interruption.max_thinking_tokens + self.answer_tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Data, rewards, evaluation
+
+
+@dataclass
+class DatasetConfig:
+    """One training source: a local jsonl/parquet file, a `datasets` hub name, or `synthetic:<task>`."""
+
+    source: str = "synthetic:arithmetic"
+    task: Literal["math", "code"] = "math"
+    weight: float = 1.0
+    """Mixing weight among the datasets of a multi-task run."""
+    split: str = "train"
+    limit: int | None = None
+    """Use only the first N rows (ours; for smoke runs)."""
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            _fail("weight", f"must be > 0, got {self.weight}")
+
+
+@dataclass
+class DataConfig:
+    datasets: list[DatasetConfig] = field(default_factory=lambda: [DatasetConfig()])
+    val_prompts: int = 1000
+    """Prompts held out for validation, drawn deterministically from `seed` (paper: 1,000)."""
+    seed: int = 0
+    chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template."""
+    system_prompt: str | None = None
+    bad_rows: Literal["error", "skip"] = "error"
+    """A malformed dataset row stops the run (error) or is skipped and counted (skip)."""
+
+    def __post_init__(self) -> None:
+        if not self.datasets:
+            _fail("datasets", "at least one dataset is required")
+        if self.val_prompts < 0:
+            _fail("val_prompts", f"must be >= 0, got {self.val_prompts}")
+
+
+@dataclass
+class SandboxConfig:
+    """Isolation limits for running model-written programs (rewards/sandbox.py)."""
+
+    wall_time_s: float = 10.0
+    cpu_time_s: float = 10.0
+    memory_mb: int = 1024
+    max_processes: int = 16
+    max_output_bytes: int = 1 << 20
+    workers: int = 4
+    allow_unisolated: bool = False
+    """Development switch: run code without isolation when bubblewrap is missing (loudly logged)."""
+
+
+@dataclass
+class RewardsConfig:
+    correct: float = 1.0
+    incorrect: float = -1.0
+    """Reward of a wrong (or unparseable, or failed) completion; the paper uses +1 / -1."""
+    math_timeout_s: float = 5.0
+    code_partial_credit: bool = False
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+
+
+@dataclass
+class EvalConfig:
+    every_steps: int = 100
+    """Validation every N optimizer steps, and at step 0 (R0 of the scaling law)."""
+    samples_per_prompt: int = 16
+    """mean@k: the paper's mean@16."""
+    temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            _fail("every_steps", f"must be >= 1, got {self.every_steps}")
+        if self.samples_per_prompt < 1:
+            _fail("samples_per_prompt", f"must be >= 1, got {self.samples_per_prompt}")
+
+
+@dataclass
+class LoggingConfig:
+    wandb: Literal["online", "offline", "disabled"] = "offline"
+    project: str = "megatron_rl"
+    console_every_steps: int = 1
+    live_scaling_fit: bool = True
+    """Fit the scaling curve at each validation and log the predicted asymptote."""
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 100
+    keep_last: int = 2
+    resume: Literal["auto", "never"] = "auto"
+    """auto = continue from the newest checkpoint in the run directory if there is one."""
+    save_on_signal: bool = True
+    """Checkpoint and exit cleanly on SIGTERM / SIGUSR1 (Slurm's pre-timeout signal)."""
+
+
+@dataclass
+class ComputeConfig:
+    """What counts as one device for the scaling law's x-axis (device-hours)."""
+
+    device_kind: Literal["gpu", "cpu_core"] = "gpu"
+    generator_devices: int | None = None
+    """Devices the generators use; null = engine.num_engines * engine.tp."""
+
+
+# --------------------------------------------------------------------------------------------------
+# The run
+
+
+@dataclass
+class RunConfig:
+    """A whole run: one recipe, one model, and the overrides given on the command line."""
+
+    name: str = "scalerl"
+    recipe: str = "scalerl"
+    output_dir: str = "runs"
+    """Run directory parent; the run writes to <output_dir>/<name>/."""
+    seed: int = 1234
+    total_steps: int = 10000
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-section checks: each names the field to change.
+        if self.total_steps < 1:
+            _fail("total_steps", f"must be >= 1, got {self.total_steps}")
+        if self.rollout.interruption.enabled and self.algo.length_penalty.enabled:
+            _fail(
+                "algo.length_penalty.enabled",
+                "length penalty and rollout.interruption are alternatives (loo-lp); enable only one",
+            )
+        p, m = self.parallel, self.model
+        if m.num_attention_heads % p.tp or m.num_query_groups % p.tp:
+            _fail("parallel.tp", f"must divide the attention heads ({m.num_attention_heads}) and query groups "
+                  f"({m.num_query_groups}), got {p.tp}")
+        if m.num_layers % p.pp:
+            _fail("parallel.pp", f"must divide model.num_layers={m.num_layers}, got {p.pp}")
+        if p.ep > 1:
+            if not m.is_moe:
+                _fail("parallel.ep", f"expert parallel needs an MoE model; {m.name} is dense")
+            assert m.moe.num_experts is not None
+            if m.moe.num_experts % p.ep:
+                _fail("parallel.ep", f"must divide model.moe.num_experts={m.moe.num_experts}, got {p.ep}")
+            if p.dp * p.tp % p.ep:
+                _fail("parallel.ep", f"must divide dp*tp={p.dp * p.tp} (experts are spread over data-parallel "
+                      f"ranks), got {p.ep}")
+        if m.is_moe and p.tp > 1 and not p.sequence_parallel:
+            _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir) / self.name
+
+
+# --------------------------------------------------------------------------------------------------
+# Building from plain data, with type checks that name the field
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Check `value` against the annotation `tp`, converting where YAML/CLI text is ambiguous."""
+    origin = get_origin(tp)
+    if origin is typing.Union or origin is types.UnionType:
+        options = get_args(tp)
+        if value is None:
+            if type(None) in options:
+                return None
+            _fail(name, "must not be null")
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, name)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0])
+    if origin is Literal:
+        allowed = list(get_args(tp))
+        if value not in allowed:
+            _fail(name, f"{value!r} is not one of {allowed}")
+        return value
+    if origin is list:
+        (item_tp,) = get_args(tp)
+        if not isinstance(value, list):
+            _fail(name, f"expected a list, got {value!r}")
+        return [_coerce(item, item_tp, f"{name}[{i}]") for i, item in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            _fail(name, f"expected a mapping of {tp.__name__} fields, got {value!r}")
+        return build(tp, value, prefix=name)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false"):
+            return value.lower() == "true"
+        _fail(name, f"expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            _fail(name, f"expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            _fail(name, f"expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, bool):
+            _fail(name, f"expected a number, got {value!r}")
+        try:
+            return float(value)  # YAML 1.1 reads "1e-6" as a string; accept it as a number here
+        except (TypeError, ValueError):
+            _fail(name, f"expected a number, got {value!r}")
+    if tp is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            _fail(name, f"expected a string, got {value!r}")
+        return str(value)
+    raise TypeError(f"unsupported annotation {tp!r} for {name}")  # a bug in this module, not user input
+
+
+def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested dict; unknown keys and bad values raise ConfigError."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    dotted = (prefix + ".") if prefix else ""
+    unknown = sorted(set(data) - known)
+    if unknown:
+        _fail(f"{dotted}{unknown[0]}", f"unknown field of {cls.__name__}; known fields: {sorted(known)}")
+    kwargs = {key: _coerce(value, hints[key], f"{dotted}{key}") for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        message = str(exc)
+        # Field names raised inside __post_init__ are relative; make them dotted from the root.
+        if prefix and not message.startswith(dotted):
+            message = dotted + message
+        raise ConfigError(message) from None
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config)
+
+
+# --------------------------------------------------------------------------------------------------
+# YAML recipes, model configs and dotted overrides
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+def list_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))
+
+
+def list_model_configs() -> list[str]:
+    return sorted(p.stem for p in MODEL_CONFIGS_DIR.glob("*.yaml"))
+
+
+def _resolve(name_or_path: str, directory: Path, what: str, known: list[str]) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") and path.exists():
+        return path
+    candidate = directory / f"{name_or_path}.yaml"
+    if candidate.exists():
+        return candidate
+    raise ConfigError(f"{what}: no such {what} {name_or_path!r}; known: {known} (or give a path to a .yaml file)")
+
+
+def load_recipe_dict(name_or_path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A recipe's settings with its `base:` chain merged in (base first, the recipe on top)."""
+    path = _resolve(name_or_path, RECIPES_DIR, "recipe", list_recipes())
+    if path.stem in _seen:
+        raise ConfigError(f"recipe: `base:` cycle {' -> '.join((*_seen, path.stem))}")
+    data = _read_yaml(path)
+    base = data.pop("base", None)
+    data.pop("description", None)
+    if base is None:
+        return data
+    return _deep_merge(load_recipe_dict(str(base), (*_seen, path.stem)), data)
+
+
+def load_model_dict(name_or_path: str) -> dict[str, Any]:
+    path = _resolve(name_or_path, MODEL_CONFIGS_DIR, "model", list_model_configs())
+    data = _read_yaml(path)
+    data.setdefault("name", path.stem)
+    return data
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override's right-hand side as YAML (numbers, booleans, null, lists, quoted strings)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a nested dict (the result is validated by `build`)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for override in overrides:
+        key, sep, text = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r}: expected the form section.field=value")
+        *parents, leaf = key.strip().split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{key}: {part} is not a section")
+        node[leaf] = _parse_scalar(text)
+    return data
+
+
+def load_config(
+    recipe: str = "scalerl", model: str | None = None, overrides: list[str] | None = None
+) -> RunConfig:
+    """recipe YAML -> model config YAML (`model:` in the recipe, or the argument) -> overrides -> RunConfig."""
+    data = load_recipe_dict(recipe)
+    data.setdefault("recipe", Path(recipe).stem)
+    data.setdefault("name", Path(recipe).stem)
+    model_name = model or data.get("model", {}).get("name")
+    if model_name:
+        recipe_model = data.get("model", {})
+        data["model"] = _deep_merge(load_model_dict(model_name), {k: v for k, v in recipe_model.items() if k != "name"})
+        data["model"]["name"] = Path(model_name).stem
+    data = _layout_defaults(data)
+    data = apply_overrides(data, overrides or [])
+    return build(RunConfig, data)
+
+
+def _layout_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """The model config's `layout` gives the parallel split and engine count unless the recipe sets them."""
+    layout = data.get("model", {}).get("layout")
+    if not layout:
+        return data
+    layout = build(ParallelLayout, layout, prefix="model.layout")
+    parallel = {
+        "tp": layout.tp,
+        "pp": layout.pp,
+        "ep": layout.ep,
+        "sequence_parallel": layout.sequence_parallel,
+        "trainer_devices": layout.trainer_gpus,
+    }
+    engine = {"tp": layout.generator_tp, "num_engines": max(1, layout.generator_gpus // layout.generator_tp)}
+    data = _deep_merge({"parallel": parallel, "rollout": {"engine": engine}}, data)
+    return data
+
+
+def save_config(config: RunConfig, path: Path) -> None:
+    """Write the resolved config (every field, defaults included) so the run can be reproduced."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+def load_resolved(path: Path) -> RunConfig:
+    """Read back a config written by `save_config`."""
+    return build(RunConfig, _read_yaml(path))
