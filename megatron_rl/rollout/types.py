@@ -1,0 +1,72 @@
+"""The rollout record: what generation produces and the trainer consumes.
+
+Producer: the rollout workers (rollout/pipeline.py) fill one `Completion` per sampled sequence from the
+engine's answer, then the reward functions set `reward`. Consumer: the trainer (trainer/step.py) turns
+a list of `Group`s into packed token tensors. Nothing else travels between them, so keep it small: a new
+feature adds a field here only when the trainer needs it per token or per sequence.
+
+Per-token lists (`tokens`, `gen_logprobs`, `versions`, `loss_mask`) all have the completion's length;
+prompt tokens carry none of them (they are never trained on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "interrupted", "abort"]
+"""stop: EOS or stop string; length: hit the answer budget (truncated); interrupted: thinking budget
+reached, the end-of-thinking phrase injected, then stopped normally; abort: the engine gave up."""
+
+
+@dataclass
+class Completion:
+    prompt_id: str
+    task: str
+    prompt_tokens: list[int]
+    tokens: list[int]
+    """Completion token ids, injected interruption tokens included."""
+    gen_logprobs: list[float]
+    """The generator's log-prob of each completion token (fp32; 0.0 for injected tokens)."""
+    versions: list[int]
+    """Policy version that produced each token (the version at injection time for injected tokens)."""
+    loss_mask: list[bool]
+    """False for tokens that must not be trained on (injected by interruption control)."""
+    finish_reason: FinishReason = "stop"
+    reward: float = 0.0
+    reward_info: dict[str, str] = field(default_factory=dict)
+    """Why the reward is what it is (e.g. {"failure": "timeout"}); counted in metrics, not trained on."""
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        if not (len(self.gen_logprobs) == len(self.versions) == len(self.loss_mask) == n):
+            raise ValueError(
+                f"completion of prompt {self.prompt_id}: per-token lists differ in length (tokens {n}, "
+                f"gen_logprobs {len(self.gen_logprobs)}, versions {len(self.versions)}, "
+                f"loss_mask {len(self.loss_mask)})"
+            )
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+    @property
+    def oldest_version(self) -> int:
+        return min(self.versions) if self.versions else 0
+
+
+@dataclass
+class Group:
+    """The G completions sampled for one prompt."""
+
+    prompt_id: str
+    task: str
+    completions: list[Completion]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [c.reward for c in self.completions]
+
+    @property
+    def oldest_version(self) -> int:
+        return min(c.oldest_version for c in self.completions)
