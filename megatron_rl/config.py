@@ -378,8 +378,10 @@ class RolloutConfig:
         if self.prompts_per_step < 1:
             _fail("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         if self.generations_per_prompt < 2:
-            _fail("generations_per_prompt", f"must be >= 2 (advantages compare within a group), got "
-                  f"{self.generations_per_prompt}")
+            _fail(
+                "generations_per_prompt",
+                f"must be >= 2 (advantages compare within a group), got {self.generations_per_prompt}",
+            )
 
     @property
     def completions_per_step(self) -> int:
@@ -534,8 +536,11 @@ class RunConfig:
             )
         p, m = self.parallel, self.model
         if m.num_attention_heads % p.tp or m.num_query_groups % p.tp:
-            _fail("parallel.tp", f"must divide the attention heads ({m.num_attention_heads}) and query groups "
-                  f"({m.num_query_groups}), got {p.tp}")
+            _fail(
+                "parallel.tp",
+                f"must divide the attention heads ({m.num_attention_heads}) and query groups "
+                f"({m.num_query_groups}), got {p.tp}",
+            )
         if m.num_layers % p.pp:
             _fail("parallel.pp", f"must divide model.num_layers={m.num_layers}, got {p.pp}")
         if p.ep > 1:
@@ -545,8 +550,10 @@ class RunConfig:
             if m.moe.num_experts % p.ep:
                 _fail("parallel.ep", f"must divide model.moe.num_experts={m.moe.num_experts}, got {p.ep}")
             if p.dp * p.tp % p.ep:
-                _fail("parallel.ep", f"must divide dp*tp={p.dp * p.tp} (experts are spread over data-parallel "
-                      f"ranks), got {p.ep}")
+                _fail(
+                    "parallel.ep",
+                    f"must divide dp*tp={p.dp * p.tp} (experts are spread over data-parallel ranks), got {p.ep}",
+                )
         if m.is_moe and p.tp > 1 and not p.sequence_parallel:
             _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
 
@@ -734,9 +741,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(
-    recipe: str = "scalerl", model: str | None = None, overrides: list[str] | None = None
-) -> RunConfig:
+def load_config(recipe: str = "scalerl", model: str | None = None, overrides: list[str] | None = None) -> RunConfig:
     """recipe YAML -> model config YAML (`model:` in the recipe, or the argument) -> overrides -> RunConfig."""
     data = load_recipe_dict(recipe)
     data.setdefault("recipe", Path(recipe).stem)

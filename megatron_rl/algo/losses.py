@@ -38,8 +38,15 @@ class TokenTerms:
     """Per-token bool: ratio truncated (CISPO) or the clipped branch active (PPO-style)."""
 
 
-def _cispo(cfg: AlgoConfig, logratio_T: Tensor, logprobs_T: Tensor, adv_T: Tensor, mask_T: Tensor,
-           seq_index_T: Tensor, num_seqs: int) -> TokenTerms:
+def _cispo(
+    cfg: AlgoConfig,
+    logratio_T: Tensor,
+    logprobs_T: Tensor,
+    adv_T: Tensor,
+    mask_T: Tensor,
+    seq_index_T: Tensor,
+    num_seqs: int,
+) -> TokenTerms:
     rho_T = torch.exp(logratio_T.detach())
     weight_T = torch.clamp(rho_T, max=cfg.eps_max)  # stop-gradient: only scales grad log pi
     loss_T = -(weight_T * adv_T * logprobs_T)
@@ -54,15 +61,29 @@ def _ppo_clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tu
     return -torch.minimum(unclipped, clipped), is_clipped
 
 
-def _token_ppo(cfg: AlgoConfig, logratio_T: Tensor, logprobs_T: Tensor, adv_T: Tensor, mask_T: Tensor,
-               seq_index_T: Tensor, num_seqs: int) -> TokenTerms:
+def _token_ppo(
+    cfg: AlgoConfig,
+    logratio_T: Tensor,
+    logprobs_T: Tensor,
+    adv_T: Tensor,
+    mask_T: Tensor,
+    seq_index_T: Tensor,
+    num_seqs: int,
+) -> TokenTerms:
     assert cfg.eps_low is not None and cfg.eps_high is not None  # resolved by AlgoConfig
     loss_T, clipped_T = _ppo_clip(torch.exp(logratio_T), adv_T, cfg.eps_low, cfg.eps_high)
     return TokenTerms(loss_T, clipped_T)
 
 
-def _gspo(cfg: AlgoConfig, logratio_T: Tensor, logprobs_T: Tensor, adv_T: Tensor, mask_T: Tensor,
-          seq_index_T: Tensor, num_seqs: int) -> TokenTerms:
+def _gspo(
+    cfg: AlgoConfig,
+    logratio_T: Tensor,
+    logprobs_T: Tensor,
+    adv_T: Tensor,
+    mask_T: Tensor,
+    seq_index_T: Tensor,
+    num_seqs: int,
+) -> TokenTerms:
     assert cfg.eps_low is not None and cfg.eps_high is not None
     maskf_T = mask_T.to(logratio_T.dtype)
     sum_S = torch.zeros(num_seqs, dtype=logratio_T.dtype).index_add(0, seq_index_T, logratio_T * maskf_T)

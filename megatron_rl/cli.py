@@ -1,0 +1,115 @@
+"""`megatron-rl`: the command line.
+
+    megatron-rl recipes                              list the recipes and what each changes
+    megatron-rl check --recipe R [--model M] [k=v]   resolve and validate a run config, print the plan
+    megatron-rl fit RUNS.jsonl ... [options]         fit / predict / compare scaling curves
+    megatron-rl convert --from-hf | --to-hf ...      Hugging Face <-> Megatron checkpoints
+
+Each subcommand imports what it needs when it runs, so `--help` and config checks stay fast and never
+import torch, Megatron, SGLang or Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+
+from megatron_rl.config import ConfigError, list_model_configs, list_recipes, load_config, load_recipe_dict
+
+
+def _add_run_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--recipe", default="scalerl", help=f"recipe name or YAML path; one of {list_recipes()}")
+    parser.add_argument("--model", default=None, help=f"model config name or YAML path; one of {list_model_configs()}")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="dotted config overrides")
+
+
+def _cmd_recipes(args: argparse.Namespace) -> int:
+    import yaml
+
+    from megatron_rl.config import RECIPES_DIR
+
+    for name in list_recipes():
+        text = (RECIPES_DIR / f"{name}.yaml").read_text()
+        description = " ".join(str(yaml.safe_load(text).get("description", "")).split())
+        print(f"{name:15s} {description}")
+    return 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    config = load_config(args.recipe, args.model, args.overrides)
+    load_recipe_dict(args.recipe)  # surface recipe-file errors before printing anything
+    p, r = config.parallel, config.rollout
+    print(
+        f"recipe {config.recipe}, model {config.model.name} ({config.model.family}"
+        f"{', MoE ' + str(config.model.moe.num_experts) + ' experts' if config.model.is_moe else ', dense'})"
+    )
+    print(
+        f"trainer: {p.trainer_devices} devices = TP {p.tp} x PP {p.pp} x DP {p.dp} (EP {p.ep}); "
+        f"loss {config.algo.loss}, aggregation {config.algo.aggregation}, advantages {config.algo.advantage_norm}"
+    )
+    print(
+        f"generators: {r.engine.num_engines} x SGLang TP {r.engine.tp}; {r.mode} k={r.k}; batch "
+        f"{r.prompts_per_step} prompts x {r.generations_per_prompt} = {r.completions_per_step} completions"
+    )
+    if args.write:
+        from megatron_rl.config import save_config
+
+        path = config.run_dir / "config.yaml"
+        save_config(config, path)
+        print(f"wrote {path}")
+    return 0
+
+
+def _delegate(module: str) -> Callable[[list[str]], int]:
+    """A subcommand whose parser lives with its package (`module.main(argv) -> int`)."""
+
+    def run(argv: list[str]) -> int:
+        return int(importlib.import_module(module).main(argv) or 0)
+
+    return run
+
+
+DELEGATED: dict[str, tuple[str, str]] = {
+    "fit": ("megatron_rl.scaling.cli", "fit, predict and compare sigmoidal compute-performance curves"),
+    "convert": ("megatron_rl.convert.cli", "convert checkpoints between Hugging Face and Megatron"),
+}
+
+
+def _available(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is not there either
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="megatron-rl", description="ScaleRL on Megatron-Core and SGLang.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub.add_parser("recipes", help="list the recipes").set_defaults(func=_cmd_recipes)
+    check = sub.add_parser("check", help="resolve and validate a run config and print the plan")
+    _add_run_args(check)
+    check.add_argument("--write", action="store_true", help="write the resolved config into the run directory")
+    check.set_defaults(func=_cmd_check)
+    for name, (module, help_text) in DELEGATED.items():
+        if _available(module):
+            sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED and _available(DELEGATED[argv[0]][0]):
+        return _delegate(DELEGATED[argv[0]][0])(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"megatron-rl: config error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

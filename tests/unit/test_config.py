@@ -1,0 +1,128 @@
+"""Config loading, overrides, validation messages, and the no-heavy-imports rule."""
+
+import subprocess
+import sys
+
+import pytest
+
+from megatron_rl.config import (
+    AlgoConfig,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    build,
+    load_config,
+    load_resolved,
+    save_config,
+)
+
+
+def test_config_module_imports_no_heavy_packages():
+    code = (
+        "import sys, megatron_rl.config, megatron_rl.cli\n"
+        "heavy = [m for m in ('torch', 'megatron', 'sglang', 'ray') if m in sys.modules]\n"
+        "print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
+
+
+def test_defaults_are_the_paper_recipe():
+    c = RunConfig()
+    assert (c.algo.loss, c.algo.eps_max, c.algo.aggregation, c.algo.advantage_norm) == ("cispo", 5.0, "prompt", "batch")
+    assert c.algo.zero_variance_filter and c.algo.no_positive_resampling == 0.9
+    assert (c.rollout.mode, c.rollout.k) == ("pipeline", 8)
+    assert c.rollout.prompts_per_step * c.rollout.generations_per_prompt == 768
+    assert c.rollout.interruption.max_thinking_tokens == 12288 and c.rollout.answer_tokens == 2048
+    assert c.trainer.optimizer.lr == 5e-7 and c.trainer.optimizer.adam_eps == 1e-15
+    assert c.trainer.optimizer.warmup_steps == 100 and c.trainer.optimizer.weight_decay == 0.01
+    assert c.trainer.fp32_lm_head and c.rollout.engine.fp32_lm_head
+
+
+@pytest.mark.parametrize(("loss", "low", "high"), [("gspo", 3e-3, 5e-3), ("dapo", 0.2, 0.28), ("grpo", 0.2, 0.2)])
+def test_clip_epsilons_default_per_loss(loss, low, high):
+    cfg = AlgoConfig(loss=loss)
+    assert (cfg.eps_low, cfg.eps_high) == (low, high)
+    assert AlgoConfig(loss=loss, eps_low=0.1).eps_low == 0.1
+
+
+def test_overrides_are_typed_and_dotted():
+    c = load_config(
+        "scalerl",
+        "tiny_dense",
+        [
+            "trainer.optimizer.lr=1e-6",
+            "rollout.k=4",
+            "algo.loss=gspo",
+            "algo.no_positive_resampling=null",
+            "trainer.fp32_lm_head=false",
+        ],
+    )
+    assert c.trainer.optimizer.lr == 1e-6 and isinstance(c.trainer.optimizer.lr, float)
+    assert c.rollout.k == 4 and c.algo.loss == "gspo" and c.algo.no_positive_resampling is None
+    assert c.trainer.fp32_lm_head is False
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("algo.loss=foo", "algo.loss: 'foo' is not one of ['cispo', 'gspo', 'dapo', 'grpo']"),
+        ("algo.aggregation=mean", "algo.aggregation: 'mean' is not one of ['prompt', 'sample', 'token']"),
+        ("rollout.k=0", "rollout.k: must be >= 1"),
+        ("rollout.k=two", "rollout.k: expected an integer"),
+        ("rollout.generations_per_prompt=1", "rollout.generations_per_prompt: must be >= 2"),
+        ("algo.eps_max=0.5", "algo.eps_max: must be > 1"),
+        ("rollout.bogus=1", "rollout.bogus: unknown field of RolloutConfig"),
+        ("trainer.optimizer.lr=-1", "trainer.optimizer.lr: must be > 0"),
+        ("parallel.tp=3", "parallel.trainer_devices: must be a multiple of tp*pp=3"),
+        ("algo.length_penalty.enabled=true", "algo.length_penalty.enabled: length penalty and rollout.interruption"),
+        ("data.datasets=[{source: x, task: poetry}]", "data.datasets[0].task: 'poetry' is not one of"),
+        ("noequals", "expected the form section.field=value"),
+    ],
+)
+def test_bad_values_name_the_field(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config("scalerl", "tiny_dense", [override])
+    assert message in str(info.value)
+
+
+def test_parallel_layout_checked_against_the_model():
+    with pytest.raises(ConfigError, match="parallel.ep: expert parallel needs an MoE model"):
+        load_config("scalerl", "tiny_dense", ["parallel.ep=2", "parallel.trainer_devices=2"])
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel"):
+        load_config("scalerl", "tiny_moe", ["parallel.tp=2"])
+    ok = load_config("scalerl", "tiny_moe", ["parallel.tp=1", "parallel.ep=2", "parallel.trainer_devices=2"])
+    assert ok.parallel.dp == 2
+
+
+def test_model_layout_sets_the_split_unless_overridden():
+    c = load_config("scalerl", "llama4_scout_17bx16e")
+    assert (c.parallel.tp, c.parallel.ep, c.parallel.sequence_parallel, c.parallel.trainer_devices) == (4, 8, True, 16)
+    assert c.rollout.engine.tp == 4 and c.rollout.engine.num_engines * c.rollout.engine.tp == 64
+    assert load_config("scalerl", "llama3_8b", ["parallel.tp=4"]).parallel.tp == 4
+
+
+def test_unknown_recipe_and_model_list_the_known_ones():
+    with pytest.raises(ConfigError, match="no such recipe 'nope'.*scalerl"):
+        load_config("nope")
+    with pytest.raises(ConfigError, match="no such model 'nope'.*tiny_dense"):
+        load_config("scalerl", "nope")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    c = load_config("loo-lp", "tiny_moe", ["parallel.ep=2", "parallel.trainer_devices=2", "rollout.k=3"])
+    save_config(c, tmp_path / "config.yaml")
+    assert load_resolved(tmp_path / "config.yaml") == c
+
+
+def test_apply_overrides_does_not_mutate_input():
+    data = {"algo": {"loss": "cispo"}}
+    out = apply_overrides(data, ["algo.loss=dapo", "rollout.k=2"])
+    assert data == {"algo": {"loss": "cispo"}} and out["algo"]["loss"] == "dapo" and out["rollout"]["k"] == 2
+
+
+def test_build_rejects_wrong_types_with_path():
+    with pytest.raises(ConfigError, match=r"rollout.engine: expected a mapping"):
+        build(RunConfig, {"rollout": {"engine": 3}})
+    with pytest.raises(ConfigError, match=r"trainer.fp32_lm_head: expected true or false"):
+        build(RunConfig, {"trainer": {"fp32_lm_head": "maybe"}})
