@@ -1,0 +1,1 @@
+"""Prompts in: tokenizer and tiny-model builders, synthetic tasks, dataset loading, the curriculum sampler."""

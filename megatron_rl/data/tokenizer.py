@@ -1,0 +1,89 @@
+"""A small byte-level BPE tokenizer with a chat template, trained offline for tests and the CPU run.
+
+Nothing is downloaded: the tokenizer is trained with `tokenizers` on text this module generates (the
+synthetic tasks' prompts and answers, the interruption phrase, chat markers), so it covers what the
+CPU run generates in few tokens. Digits are split one per token so arithmetic is learnable. The saved
+directory loads with `transformers.AutoTokenizer` and SGLang alike.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from megatron_rl.config import InterruptionConfig
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+PAD, EOS = "<|endoftext|>", "<|im_end|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _corpus(seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    phrase = InterruptionConfig().phrase
+    lines = [phrase] * 50 + ["<|im_start|>user\n<|im_end|>\n<|im_start|>assistant\n<|im_start|>system\n"] * 50
+    words = [
+        "What",
+        "is",
+        "the",
+        "sum",
+        "of",
+        "and",
+        "answer",
+        "final",
+        "think",
+        "step",
+        "carry",
+        "so",
+        "result",
+        "Let",
+        "me",
+        "compute",
+        "add",
+        "numbers",
+    ]
+    for _ in range(2000):
+        a, b = rng.randint(0, 999), rng.randint(0, 99)
+        lines.append(f"What is {a} + {b}? {a}+{b}={a + b} \\boxed{{{a + b}}}")
+        lines.append(" ".join(rng.choices(words, k=8)))
+    lines.append("def solve(): return print(input()) for in range if else while")
+    return lines
+
+
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_length: int = 1024) -> Path:
+    """Train and save the tokenizer to `out_dir` (tokenizer.json + HF tokenizer files)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < 256 + len(SPECIAL_TOKENS) + 16:
+        raise ValueError(f"model.vocab_size: a byte-level tokenizer needs >= 277 tokens, got {vocab_size}")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token=PAD,
+        eos_token=EOS,
+        bos_token=None,
+        model_max_length=model_max_length,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return out_dir
