@@ -1,0 +1,171 @@
+"""Prompt datasets: local jsonl/parquet files, `datasets` hub names, or `synthetic:<task>`.
+
+Each task has a schema (which fields a row must have, and the usual alternative names in public sets:
+Polaris' `problem`/`answer`, DeepCoder's `problem`/`tests`). A malformed row raises `DatasetError` naming
+the file, the row and the field, or, with `data.bad_rows: skip`, is skipped and counted.
+
+The validation split is drawn deterministically from `data.seed`: the same config gives the same
+held-out prompts on every machine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import DataConfig, DatasetConfig
+from megatron_rl.data.synthetic import SYNTHETIC_TASKS
+
+
+class DatasetError(ValueError):
+    """A dataset row or file is malformed; the message names file, row and field."""
+
+
+@dataclass
+class Prompt:
+    id: str
+    task: str
+    prompt: str
+    answer: str | None = None
+    """Reference answer (math)."""
+    tests: dict[str, Any] | None = None
+    """Test cases (code): stdin/stdout, call-based or assert-based; see rewards/code.py."""
+
+
+# For each task: field -> accepted column names, in order of preference.
+SCHEMAS: dict[str, dict[str, tuple[str, ...]]] = {
+    "math": {"prompt": ("prompt", "problem", "question"), "answer": ("answer", "solution", "final_answer")},
+    "code": {"prompt": ("prompt", "problem", "question"), "tests": ("tests", "test_cases", "input_output")},
+}
+
+
+@dataclass
+class LoadStats:
+    rows: int = 0
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+    """The first few skipped rows' messages, for the log."""
+
+
+def _field(row: dict[str, Any], names: tuple[str, ...]) -> Any:
+    for name in names:
+        if name in row and row[name] is not None:
+            return row[name]
+    return None
+
+
+def parse_row(row: Any, task: str, source: str, index: int) -> Prompt:
+    """Validate one raw row against the task's schema."""
+    where = f"{source}: row {index}"
+    if not isinstance(row, dict):
+        raise DatasetError(f"{where}: expected an object with fields {list(SCHEMAS[task])}, got {type(row).__name__}")
+    values = {}
+    for name, aliases in SCHEMAS[task].items():
+        value = _field(row, aliases)
+        if value is None:
+            raise DatasetError(f"{where}: field '{name}' missing (accepted column names: {list(aliases)})")
+        values[name] = value
+    if not isinstance(values["prompt"], str) or not values["prompt"].strip():
+        raise DatasetError(f"{where}: field 'prompt' must be a non-empty string")
+    if task == "math":
+        answer = values["answer"]
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str) or not answer.strip():
+            raise DatasetError(f"{where}: field 'answer' must be a non-empty string or number")
+        values["answer"] = answer
+    else:
+        tests = values["tests"]
+        if isinstance(tests, str):
+            try:
+                tests = json.loads(tests)
+            except json.JSONDecodeError as exc:
+                raise DatasetError(f"{where}: field 'tests' is a string but not JSON: {exc}") from None
+        if not isinstance(tests, dict):
+            raise DatasetError(f"{where}: field 'tests' must be an object (stdin/stdout, fn_name or asserts)")
+        values["tests"] = tests
+    prompt_id = str(row.get("id", row.get("problem_id", f"{Path(source).stem}-{index}")))
+    return Prompt(id=prompt_id, task=task, **values)
+
+
+def _read_rows(source: str, split: str) -> list[Any]:
+    if source.startswith("synthetic:"):
+        name = source.removeprefix("synthetic:")
+        if name not in SYNTHETIC_TASKS:
+            raise DatasetError(f"data.datasets.source: unknown synthetic task {name!r}; known: {list(SYNTHETIC_TASKS)}")
+        return list(SYNTHETIC_TASKS[name](0))
+    path = Path(source)
+    if path.suffix == ".jsonl":
+        if not path.exists():
+            raise DatasetError(f"{source}: no such file")
+        rows = []
+        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                rows.append(DatasetError(f"{source}: row {line_no}: not valid JSON: {exc}"))
+        return rows
+    if path.suffix == ".parquet":
+        if not path.exists():
+            raise DatasetError(f"{source}: no such file")
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    import datasets
+
+    try:
+        return list(datasets.load_dataset(source, split=split))
+    except Exception as exc:  # the hub client raises many types; name the source and keep the cause
+        raise DatasetError(f"{source}: could not load as a `datasets` hub name ({type(exc).__name__}: {exc})") from exc
+
+
+def load_prompts(cfg: DatasetConfig, bad_rows: str = "error") -> tuple[list[Prompt], LoadStats]:
+    """All valid prompts of one dataset config, and how many rows were skipped."""
+    stats = LoadStats()
+    prompts: list[Prompt] = []
+    for index, row in enumerate(_read_rows(cfg.source, cfg.split)):
+        if cfg.limit is not None and len(prompts) >= cfg.limit:
+            break
+        stats.rows += 1
+        try:
+            if isinstance(row, DatasetError):
+                raise row
+            prompts.append(parse_row(row, cfg.task, cfg.source, index))
+        except DatasetError as exc:
+            if bad_rows == "error":
+                raise
+            stats.skipped += 1
+            if len(stats.errors) < 5:
+                stats.errors.append(str(exc))
+    if not prompts:
+        raise DatasetError(f"{cfg.source}: no valid rows ({stats.skipped} skipped)")
+    return prompts, stats
+
+
+@dataclass
+class Splits:
+    train: dict[str, list[Prompt]]
+    """Per dataset source: its training prompts."""
+    val: dict[str, list[Prompt]]
+    """Per task: the held-out validation prompts."""
+    stats: dict[str, LoadStats]
+
+
+def load_splits(cfg: DataConfig) -> Splits:
+    """Load every dataset and hold out `val_prompts` of each, chosen by `cfg.seed`."""
+    train: dict[str, list[Prompt]] = {}
+    val: dict[str, list[Prompt]] = {}
+    stats: dict[str, LoadStats] = {}
+    for dataset in cfg.datasets:
+        prompts, stats[dataset.source] = load_prompts(dataset, cfg.bad_rows)
+        order = list(range(len(prompts)))
+        random.Random(f"{cfg.seed}:{dataset.source}").shuffle(order)
+        n_val = min(cfg.val_prompts, len(prompts) // 2)
+        val.setdefault(dataset.task, []).extend(prompts[i] for i in order[:n_val])
+        train[dataset.source] = [prompts[i] for i in order[n_val:]]
+    return Splits(train, val, stats)

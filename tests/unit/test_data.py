@@ -1,0 +1,104 @@
+"""Datasets: schema errors name file/row/field, skipping counts, deterministic splits, the sampler."""
+
+import json
+
+import pytest
+
+from megatron_rl.algo.filters import NoPositiveResampling
+from megatron_rl.config import DataConfig, DatasetConfig
+from megatron_rl.data.datasets import DatasetError, load_prompts, load_splits
+from megatron_rl.data.sampler import CurriculumSampler
+from megatron_rl.data.synthetic import arithmetic_rows, arithmetic_solution
+
+
+def _write(tmp_path, rows, name="set.jsonl"):
+    path = tmp_path / name
+    path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
+    return str(path)
+
+
+def test_arithmetic_solution_is_correct_for_every_problem():
+    for row in arithmetic_rows(max_operand=99)[:2000]:
+        solution = arithmetic_solution(row["prompt"])
+        assert solution.endswith(f"\\boxed{{{row['answer']}}}")
+        # Each column step's arithmetic is right: "da+db(+1)=total".
+        for step in solution.removeprefix("<think>").split("</think>")[0].split():
+            lhs, rhs = step.split("=")
+            assert sum(int(x) for x in lhs.split("+")) == int(rhs)
+
+
+def test_bad_rows_name_file_row_and_field(tmp_path):
+    path = _write(tmp_path, [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?"}])
+    with pytest.raises(DatasetError, match=r"set.jsonl: row 1: field 'answer' missing"):
+        load_prompts(DatasetConfig(source=path, task="math"))
+    path = _write(tmp_path, ['{"prompt": "x", "answer": 1}', "{not json"], "broken.jsonl")
+    with pytest.raises(DatasetError, match=r"broken.jsonl: row 2: not valid JSON"):
+        load_prompts(DatasetConfig(source=path, task="math"))
+    path = _write(tmp_path, [{"prompt": "write f", "tests": "[oops"}], "code.jsonl")
+    with pytest.raises(DatasetError, match=r"code.jsonl: row 0: field 'tests' is a string but not JSON"):
+        load_prompts(DatasetConfig(source=path, task="code"))
+
+
+def test_bad_rows_can_be_skipped_and_counted(tmp_path):
+    rows = [{"problem": "1+1?", "answer": 2}, {"problem": ""}, {"question": "3+3?", "solution": "6"}, "[1, 2]"]
+    prompts, stats = load_prompts(DatasetConfig(source=_write(tmp_path, rows), task="math"), bad_rows="skip")
+    assert [p.answer for p in prompts] == ["2", "6"]
+    assert stats.rows == 4 and stats.skipped == 2 and "row 1" in stats.errors[0]
+
+
+def test_code_rows_accept_deepcoder_style_tests(tmp_path):
+    tests = {"inputs": ["1\n"], "outputs": ["2\n"]}
+    rows = [{"problem": "add one", "tests": json.dumps(tests), "id": "p1"}]
+    prompts, _ = load_prompts(DatasetConfig(source=_write(tmp_path, rows), task="code"))
+    assert prompts[0].tests == tests and prompts[0].id == "p1"
+
+
+def test_validation_split_is_deterministic_and_disjoint():
+    cfg = DataConfig(datasets=[DatasetConfig(source="synthetic:arithmetic")], val_prompts=50, seed=3)
+    a, b = load_splits(cfg), load_splits(cfg)
+    assert [p.id for p in a.val["math"]] == [p.id for p in b.val["math"]]
+    assert len(a.val["math"]) == 50
+    assert not {p.id for p in a.val["math"]} & {p.id for p in a.train["synthetic:arithmetic"]}
+    other = load_splits(DataConfig(datasets=cfg.datasets, val_prompts=50, seed=4))
+    assert [p.id for p in other.val["math"]] != [p.id for p in a.val["math"]]
+
+
+def _sampler(train, seed=0, threshold=0.9):
+    return CurriculumSampler(train, {k: 1.0 for k in train}, seed, NoPositiveResampling(threshold))
+
+
+def test_sampler_epochs_skip_retired_prompts_and_resume_exactly():
+    train = load_splits(
+        DataConfig(datasets=[DatasetConfig(source="synthetic:arithmetic", limit=40)], val_prompts=0)
+    ).train
+    sampler = _sampler(train)
+    first_epoch = [sampler.next_prompt().id for _ in range(40)]
+    assert len(set(first_epoch)) == 40
+    sampler.no_positive.update(first_epoch[0], [True] * 10)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    rest = [sampler.next_prompt().id for _ in range(60)]
+    assert first_epoch[0] not in rest and sampler.retired_skips >= 1
+    resumed = _sampler(train)
+    resumed.load_state_dict(state)
+    assert [resumed.next_prompt().id for _ in range(60)] == rest
+
+
+def test_sampler_mixes_by_weight():
+    cfg = DataConfig(datasets=[DatasetConfig(source="synthetic:arithmetic", limit=30)], val_prompts=0)
+    math = load_splits(cfg).train["synthetic:arithmetic"]
+    train = {"a": math[:15], "b": math[15:]}
+    sampler = CurriculumSampler(train, {"a": 3.0, "b": 1.0}, 0, NoPositiveResampling())
+    ids_a = {p.id for p in train["a"]}
+    share = sum(sampler.next_prompt().id in ids_a for _ in range(2000)) / 2000
+    assert 0.70 < share < 0.80
+
+
+def test_sampler_all_retired_is_a_clear_error():
+    train = {
+        "s": load_splits(DataConfig(datasets=[DatasetConfig(limit=3)], val_prompts=0)).train["synthetic:arithmetic"]
+    }
+    sampler = _sampler(train)
+    for p in train["s"]:
+        sampler.no_positive.update(p.id, [True])
+    with pytest.raises(RuntimeError, match="every prompt of s is retired"):
+        sampler.next_prompt()

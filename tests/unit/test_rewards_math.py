@@ -1,0 +1,43 @@
+"""Math reward: thinking stripped, boxed and plain answers, failures counted, exceptions contained."""
+
+import pytest
+
+from megatron_rl.config import RewardsConfig
+from megatron_rl.data.datasets import Prompt
+from megatron_rl.rewards import REWARDS, score
+from megatron_rl.rewards.math import math_reward
+
+CFG = RewardsConfig()
+
+
+@pytest.mark.parametrize(
+    ("text", "answer", "passed", "failure"),
+    [
+        ("<think>7+5=12 3+4+1=8</think>\\boxed{82}", "82", True, None),
+        ("<think>the answer is 81</think>\\boxed{82}", "82", True, None),  # thinking is not graded
+        ("<think>the answer is 82</think>\\boxed{81}", "82", False, "wrong_answer"),
+        ("<think>7+5=12 3+4", "82", False, "no_answer"),  # never closed thinking
+        ("Okay, time is up. Let me stop thinking and formulate a final answer now. </think> 82", "82", True, None),
+        ("</think>\\boxed{\\frac{1}{2}}", "0.5", True, None),
+        ("</think>\\boxed{x^2+2x+1}", "(x+1)^2", True, None),
+        ("</think>", "1", False, "no_answer"),
+    ],
+)
+def test_math_reward(text, answer, passed, failure):
+    result = math_reward(text, answer, CFG)
+    assert (result.passed, result.failure) == (passed, failure)
+    assert result.reward == (CFG.correct if passed else CFG.incorrect)
+
+
+def test_rewards_are_configurable():
+    result = math_reward("\\boxed{3}", "2", RewardsConfig(correct=1.0, incorrect=0.0))
+    assert result.reward == 0.0
+
+
+def test_a_raising_reward_function_is_a_counted_failure(monkeypatch):
+    def broken(completion, prompt, cfg):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(REWARDS, "math", broken)
+    result = score("\\boxed{2}", Prompt("p", "math", "1+1?", "2"), CFG)
+    assert (result.reward, result.passed, result.failure) == (CFG.incorrect, False, "reward_error")
