@@ -1,0 +1,118 @@
+"""Run metrics: the JSONL file the scaling toolkit reads, wandb, and one console line per step.
+
+Every row carries `step` and `device_hours`, the cumulative compute of all devices of the run (trainer
+ranks + generator devices, times wall-clock hours; on CPU runs each core counts as a device and the
+header says so): the x-axis of the scaling law. Validation rows add `val/pass_rate` (mean@k over all
+tasks) and `val/pass_rate/<task>`. The first line of the file is a header `{"run": {...}}` with the run's
+name, recipe, model and device kind.
+
+Metric names follow SCALERL.md §2: `train/truncation_rate`, `train/abs_logprob_diff`,
+`train/clipped_token_share`, `train/entropy`, `train/staleness_mean` / `_max`, `train/effective_groups`,
+`train/reward`, `train/response_length`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import LoggingConfig
+
+
+class ComputeClock:
+    """Cumulative device-hours: devices x wall time, continued across resumes."""
+
+    def __init__(self, devices: int, start_hours: float = 0.0) -> None:
+        self.devices = devices
+        self.start_hours = start_hours
+        self.t0 = time.monotonic()
+
+    @property
+    def device_hours(self) -> float:
+        return self.start_hours + self.devices * (time.monotonic() - self.t0) / 3600.0
+
+
+# (metric, console label, format) for the one-line step summary.
+CONSOLE_FIELDS = [
+    ("train/reward", "reward", "{:+.3f}"),
+    ("train/pass_rate", "pass", "{:.2f}"),
+    ("val/pass_rate", "val", "{:.3f}"),
+    ("train/loss", "loss", "{:+.4f}"),
+    ("train/grad_norm", "gnorm", "{:.3f}"),
+    ("train/truncation_rate", "trunc", "{:.1%}"),
+    ("train/abs_logprob_diff", "|dlogp|", "{:.4f}"),
+    ("train/staleness_mean", "stale", "{:.2f}"),
+    ("train/effective_groups", "groups", "{:.0f}"),
+    ("time/step_s", "s", "{:.1f}"),
+    ("device_hours", "dev-h", "{:.4f}"),
+]
+
+
+def console_line(step: int, row: dict[str, Any]) -> str:
+    parts = [f"step {step:5d}"]
+    for key, label, fmt in CONSOLE_FIELDS:
+        value = row.get(key)
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            parts.append(f"{label} {fmt.format(value)}")
+    return " | ".join(parts)
+
+
+class MetricsLogger:
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, header: dict[str, Any], config: dict[str, Any]) -> None:
+        self.cfg = cfg
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        fresh = not self.path.exists()
+        self.file = self.path.open("a")
+        if fresh:
+            self.file.write(json.dumps({"run": header}) + "\n")
+            self.file.flush()
+        self.wandb = None
+        if cfg.wandb != "disabled":
+            import wandb
+
+            self.wandb = wandb.init(
+                mode=cfg.wandb,
+                project=cfg.project,
+                name=header.get("name"),
+                dir=str(run_dir),
+                config=config,
+                resume="allow",
+                id=header.get("name", "run").replace("/", "-"),
+            )
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in row.items()}}
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        if self.cfg.console_every_steps and step % self.cfg.console_every_steps == 0:
+            print(console_line(step, row), flush=True)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _plain(value: Any) -> Any:
+    """JSON-safe scalars: tensors and numpy numbers become floats; NaN/inf become null."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The step rows of a metrics file (the header line is skipped)."""
+    rows = []
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        if "run" not in record:
+            rows.append(record)
+    return rows

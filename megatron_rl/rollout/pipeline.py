@@ -1,0 +1,279 @@
+"""The rollout pipeline: prompts -> groups of G completions with rewards -> a bounded buffer -> batches.
+
+One producer serves both asynchronous modes of SCALERL.md §4; they differ only in when generation may
+start a new group:
+
+- `pipeline` (PipelineRL-k): generation never stops. Groups are started whenever fewer than
+  2 x prompts_per_step are buffered or in flight; weights change under running sequences (the engine
+  records each token's policy version).
+- `ppo_off_policy` (PPO-off-policy-k): generation runs in rounds of k x prompts_per_step groups with
+  frozen weights; the next round starts only after the trainer has taken k steps and synced
+  (`release_round`).
+
+Staleness is enforced in exactly one place, `next_batch`: a group whose oldest token is more than k
+policy versions behind the trainer is dropped and counted, never trained on. Zero-variance groups are
+dropped without refill (the effective batch shrinks, as in the paper) and counted; every finished group,
+filtered or not, updates the no-positive-resampling history.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from megatron_rl.algo.filters import zero_variance_keep
+from megatron_rl.algo.length_penalty import overlong_penalty
+from megatron_rl.config import AlgoConfig, RolloutConfig
+from megatron_rl.data.datasets import Prompt
+from megatron_rl.data.sampler import CurriculumSampler
+from megatron_rl.rewards.workers import RewardWorkers
+from megatron_rl.rollout.interruption import GenerateFn, InterruptionTokens, generate_completion
+from megatron_rl.rollout.types import Completion, Group
+
+
+@dataclass
+class PromptEncoder:
+    """Prompt text -> token ids through the tokenizer's chat template, and completion ids -> text."""
+
+    tokenizer: Any
+    system_prompt: str | None = None
+    chat_template: bool = True
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if not self.chat_template:
+            return list(self.tokenizer(prompt.prompt)["input_ids"])
+        messages = [{"role": "user", "content": prompt.prompt}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, tokens: list[int]) -> str:
+        # Special tokens stay: `</think>` separates the graded answer from the thinking part.
+        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
+        return text.replace(self.tokenizer.eos_token, "") if self.tokenizer.eos_token else text
+
+
+@dataclass
+class SampledGroup:
+    group: Group
+    kept: bool
+    """False when the zero-variance filter dropped it."""
+    passed: list[bool]
+    failures: list[str]
+
+
+@dataclass
+class BatchStats:
+    sampled_groups: int = 0
+    effective_groups: int = 0
+    stale_dropped: int = 0
+    completions: int = 0
+    truncated: int = 0
+    interrupted: int = 0
+    aborted: int = 0
+    reward_sum: float = 0.0
+    passed: int = 0
+    response_tokens: int = 0
+    staleness: list[int] = field(default_factory=list)
+    failures: dict[str, int] = field(default_factory=dict)
+
+    def as_metrics(self) -> dict[str, float]:
+        n = max(self.completions, 1)
+        metrics = {
+            "train/reward": self.reward_sum / n,
+            "train/pass_rate": self.passed / n,
+            "train/truncation_rate": self.truncated / n,
+            "train/interruption_rate": self.interrupted / n,
+            "train/aborted": float(self.aborted),
+            "train/response_length": self.response_tokens / n,
+            "train/sampled_groups": float(self.sampled_groups),
+            "train/effective_groups": float(self.effective_groups),
+            "train/stale_dropped": float(self.stale_dropped),
+            "train/staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
+            "train/staleness_max": float(max(self.staleness, default=0)),
+        }
+        metrics.update({f"train/failures/{k}": float(v) for k, v in sorted(self.failures.items())})
+        return metrics
+
+
+class RolloutPipeline:
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        algo: AlgoConfig,
+        sampler: CurriculumSampler,
+        rewards: RewardWorkers,
+        generate: GenerateFn,
+        encoder: PromptEncoder,
+        tokens: InterruptionTokens,
+        seed: int,
+    ) -> None:
+        self.cfg, self.algo = cfg, algo
+        self.sampler, self.rewards, self.generate = sampler, rewards, generate
+        self.encoder, self.tokens = encoder, tokens
+        self.rng = random.Random(seed)
+        self.version = 0
+        """The policy version the engines hold (the trainer's step count at the last sync)."""
+        round_groups = cfg.k * cfg.prompts_per_step
+        self.capacity = round_groups if cfg.mode == "ppo_off_policy" else 2 * cfg.prompts_per_step
+        self.buffer: asyncio.Queue[SampledGroup] = asyncio.Queue()
+        self.slots = asyncio.Semaphore(self.capacity)
+        self.round_open = asyncio.Event()
+        self.round_open.set()
+        self.round_started = 0
+        self.tasks: set[asyncio.Task] = set()
+        self.producer: asyncio.Task | None = None
+        self.errors: list[BaseException] = []
+
+    # ---------------------------------------------------------------------------------------------
+    # Producer
+
+    def start(self) -> None:
+        self.producer = asyncio.create_task(self._produce())
+
+    async def _produce(self) -> None:
+        while True:
+            await self.slots.acquire()  # released when the trainer takes the group
+            if self.cfg.mode == "ppo_off_policy":
+                await self.round_open.wait()
+                self.round_started += 1
+                if self.round_started == self.cfg.k * self.cfg.prompts_per_step:
+                    self.round_open.clear()  # frozen weights: wait for k steps and a sync
+            prompt = self.sampler.next_prompt()
+            task = asyncio.create_task(self._group(prompt))
+            self.tasks.add(task)
+            task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task) -> None:
+        self.tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.errors.append(task.exception())
+
+    def release_round(self) -> None:
+        """PPO-off-policy: the trainer synced after k steps; generate the next round."""
+        self.round_started = 0
+        self.round_open.set()
+
+    async def _group(self, prompt: Prompt) -> None:
+        prompt_ids = self.encoder.encode(prompt)
+        if len(prompt_ids) > self.cfg.max_prompt_tokens:
+            raise ValueError(
+                f"prompt {prompt.id} has {len(prompt_ids)} tokens, over rollout.max_prompt_tokens="
+                f"{self.cfg.max_prompt_tokens}"
+            )
+        seeds = [self.rng.random() for _ in range(self.cfg.generations_per_prompt)]
+        completions = await asyncio.gather(*(self._completion(prompt, prompt_ids, s) for s in seeds))
+        group = Group(prompt.id, prompt.task, [c for c, _, _ in completions])
+        passed = [p for _, p, _ in completions]
+        failures = [f for _, _, f in completions if f]
+        self.sampler.no_positive.update(prompt.id, passed)
+        rewards = torch.tensor([group.rewards])
+        kept = bool(zero_variance_keep(rewards)[0]) if self.algo.zero_variance_filter else True
+        await self.buffer.put(SampledGroup(group, kept, passed, failures))
+
+    async def _completion(self, prompt: Prompt, prompt_ids: list[int], seed: float) -> tuple[Completion, bool, str]:
+        out = await generate_completion(
+            self.generate, prompt_ids, self.cfg, self.tokens, random.Random(seed), lambda: self.version
+        )
+        result = await self.rewards.score(self.encoder.decode(out.tokens), prompt)
+        reward = result.reward
+        if self.algo.length_penalty.enabled:
+            lp = self.algo.length_penalty
+            reward += overlong_penalty(len(out.tokens), lp.max_length, lp.cache_length)
+        completion = Completion(
+            prompt_id=prompt.id,
+            task=prompt.task,
+            prompt_tokens=prompt_ids,
+            tokens=out.tokens,
+            gen_logprobs=out.logprobs,
+            versions=out.versions,
+            loss_mask=out.loss_mask,
+            finish_reason=out.finish_reason,
+            reward=reward,
+            reward_info={"failure": result.failure} if result.failure else {},
+        )
+        return completion, result.passed, result.failure or ""
+
+    # ---------------------------------------------------------------------------------------------
+    # Consumer
+
+    async def next_batch(self, trainer_version: int) -> tuple[list[Group], BatchStats]:
+        """prompts_per_step sampled groups no more than k versions old; the zero-variance ones dropped."""
+        stats = BatchStats()
+        groups: list[Group] = []
+        while stats.sampled_groups < self.cfg.prompts_per_step:
+            self._raise_producer_errors()
+            try:
+                sampled = await asyncio.wait_for(self.buffer.get(), timeout=1.0)
+            except TimeoutError:
+                continue
+            self.slots.release()
+            staleness = trainer_version - sampled.group.oldest_version
+            if staleness > self.cfg.k:
+                stats.stale_dropped += 1
+                continue
+            stats.sampled_groups += 1
+            stats.staleness.append(staleness)
+            for completion in sampled.group.completions:
+                stats.completions += 1
+                stats.truncated += completion.finish_reason == "length"
+                stats.interrupted += completion.finish_reason == "interrupted"
+                stats.aborted += completion.finish_reason == "abort"
+                stats.reward_sum += completion.reward
+                stats.response_tokens += len(completion.tokens)
+            stats.passed += sum(sampled.passed)
+            for failure in sampled.failures:
+                stats.failures[failure] = stats.failures.get(failure, 0) + 1
+            if sampled.kept:
+                groups.append(sampled.group)
+        stats.effective_groups = len(groups)
+        return groups, stats
+
+    def _raise_producer_errors(self) -> None:
+        if self.producer is not None and self.producer.done() and not self.producer.cancelled():
+            self.producer.result()
+        if self.errors:
+            raise RuntimeError("a rollout group failed") from self.errors[0]
+
+    async def close(self) -> None:
+        tasks = [t for t in [self.producer, *self.tasks] if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def validate(
+    prompts: dict[str, list[Prompt]],
+    samples: int,
+    generate: GenerateFn,
+    encoder: PromptEncoder,
+    cfg: RolloutConfig,
+    tokens: InterruptionTokens,
+    rewards: RewardWorkers,
+    version: Callable[[], int],
+    seed: int,
+) -> dict[str, float]:
+    """mean@k pass rate per task and overall (`val/pass_rate`, `val/pass_rate/<task>`)."""
+
+    async def one(prompt: Prompt, prompt_ids: list[int], rng: random.Random) -> bool:
+        out = await generate_completion(generate, prompt_ids, cfg, tokens, rng, version)
+        return (await rewards.score(encoder.decode(out.tokens), prompt)).passed
+
+    rng = random.Random(seed)
+    results: dict[str, list[bool]] = {}
+    for task, task_prompts in prompts.items():
+        jobs = []
+        for prompt in task_prompts:
+            ids = encoder.encode(prompt)
+            jobs += [one(prompt, ids, random.Random(rng.random())) for _ in range(samples)]
+        results[task] = list(await asyncio.gather(*jobs))
+    metrics = {f"val/pass_rate/{task}": sum(r) / max(len(r), 1) for task, r in results.items()}
+    every = [p for r in results.values() for p in r]
+    metrics["val/pass_rate"] = sum(every) / max(len(every), 1)
+    return metrics

@@ -1,0 +1,98 @@
+"""Interruption length control: budgets, injection, masking, finish reasons.
+
+The generator here is a scripted token source (a list of tokens the "model" would emit), so the
+control logic is checked exactly; the same logic runs against a real SGLang server in
+tests/integration.
+"""
+
+import asyncio
+import random
+
+import pytest
+
+from megatron_rl.config import InterruptionConfig, RolloutConfig
+from megatron_rl.rollout.interruption import InterruptionTokens, Segment, generate_completion
+
+THINK_END, EOS = 4, 2
+IDS = InterruptionTokens(end_of_thinking=THINK_END, eos=EOS, phrase=[90, 91, THINK_END])
+
+
+def scripted(script, version=7):
+    """A GenerateFn emitting `script` after the 3-token prompt, continuing from where its input ends.
+
+    Script positions covered by an injected phrase are skipped (the tests put placeholders there)."""
+    calls = []
+
+    async def generate(input_ids, max_new_tokens, stop_ids):
+        calls.append((len(input_ids), max_new_tokens, tuple(stop_ids)))
+        tokens = []
+        for token in script[len(input_ids) - 3 :]:
+            tokens.append(token)
+            if token in stop_ids:
+                return Segment(tokens, [-0.5] * len(tokens), [version] * len(tokens), "stop")
+            if len(tokens) == max_new_tokens:
+                break
+        return Segment(tokens, [-0.5] * len(tokens), [version] * len(tokens), "length")
+
+    return generate, calls
+
+
+def _cfg(enabled=True, lo=5, hi=5, answer=3):
+    return RolloutConfig(
+        interruption=InterruptionConfig(enabled=enabled, min_thinking_tokens=lo, max_thinking_tokens=hi),
+        answer_tokens=answer,
+    )
+
+
+def run(script, cfg, version_now=9):
+    generate, calls = scripted(script)
+    out = asyncio.run(generate_completion(generate, [1, 1, 1], cfg, IDS, random.Random(0), lambda: version_now))
+    return out, calls
+
+
+def test_model_closes_thinking_within_budget():
+    out, calls = run([3, 10, 11, THINK_END, 20, EOS], _cfg())
+    assert out.tokens == [3, 10, 11, THINK_END, 20, EOS]
+    assert all(out.loss_mask) and out.finish_reason == "stop"
+    assert calls[0][1] == 5 and calls[1][1] == 3  # thinking budget, then answer budget
+
+
+def test_budget_reached_injects_masked_phrase_then_answers():
+    out, calls = run([3, 10, 11, 12, 13, 14, 15, 16, 17], _cfg())
+    # 5 thinking tokens, then the phrase (masked, log-prob 0, current version), then the answer phase.
+    assert out.tokens[:5] == [3, 10, 11, 12, 13]
+    assert out.tokens[5:8] == IDS.phrase
+    assert out.loss_mask == [True] * 5 + [False] * 3 + [True] * (len(out.tokens) - 8)
+    assert out.logprobs[5:8] == [0.0, 0.0, 0.0] and out.versions[5:8] == [9, 9, 9]
+    assert calls[1][0] == 3 + 5 + 3  # the answer phase sees prompt + thinking + phrase
+
+
+def test_interrupted_answer_that_stops_is_interrupted_and_one_that_runs_out_is_truncated():
+    generate_stop_script = [3, 10, 11, 12, 13]  # the answer phase then continues from index 8
+    out, _ = run(generate_stop_script + [0, 0, 0, 30, EOS], _cfg(answer=3))
+    assert out.finish_reason == "interrupted" and out.tokens[-1] == EOS
+    out, _ = run(generate_stop_script + [0, 0, 0, 30, 31, 32, 33], _cfg(answer=3))
+    assert out.finish_reason == "length" and len(out.tokens) == 5 + 3 + 3
+
+
+def test_eos_inside_thinking_ends_the_completion():
+    out, calls = run([3, 10, EOS], _cfg())
+    assert out.finish_reason == "stop" and len(calls) == 1
+
+
+def test_budget_is_drawn_per_sequence_in_range():
+    budgets = set()
+    for seed in range(50):
+        generate, _ = scripted([3] * 100)
+        out = asyncio.run(
+            generate_completion(generate, [1, 1, 1], _cfg(lo=10, hi=20), IDS, random.Random(seed), lambda: 0)
+        )
+        budgets.add(out.thinking_budget)
+    assert min(budgets) >= 10 and max(budgets) <= 20 and len(budgets) > 5
+
+
+@pytest.mark.parametrize("finish", ["stop", "length"])
+def test_disabled_is_one_phase_of_the_whole_budget(finish):
+    script = [3, 10, EOS] if finish == "stop" else [3] * 50
+    out, calls = run(script, _cfg(enabled=False, lo=5, hi=5, answer=3))
+    assert len(calls) == 1 and calls[0][1] == 8 and out.finish_reason == finish and all(out.loss_mask)
