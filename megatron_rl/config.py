@@ -598,7 +598,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if not isinstance(value, list):
             _fail(name, f"expected a list, got {value!r}")
         return [_coerce(item, item_tp, f"{name}[{i}]") for i, item in enumerate(value)]
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, dict):
