@@ -38,9 +38,12 @@ fi
 pip install -q numpy packaging psutil triton
 pip install -q -e ".[dev]"
 
-if [ -f tools/install_sandbox.sh ]; then
-  bash tools/install_sandbox.sh
-fi
+# Optional parts, each with its own script: the code sandbox (bubblewrap) and SGLang on CPU.
+for part in tools/install_sandbox.sh tools/install_sglang.sh; do
+  if [ -f "$part" ]; then
+    bash "$part"
+  fi
+done
 
 python - <<'PY'
 import megatron.core, torch
