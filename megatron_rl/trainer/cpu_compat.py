@@ -1,0 +1,246 @@
+"""megatron-core on a machine without CUDA: the one place where its CUDA-only calls are redirected.
+
+megatron-core assumes a GPU in a few hundred places. On CPU (laptops, CI) we run it for real with gloo
+and the local layer spec, so `apply()` redirects those calls to CPU equivalents. It is applied only when
+`torch.cuda.is_available()` is False and changes nothing on a GPU machine.
+
+What is patched, and why (see ../shared/FINDINGS.md, "CUDA-only calls hit on CPU"):
+
+1. Inside every loaded `megatron.core.*` module, the global name `torch` is replaced by `_CpuTorch`, a
+   proxy that forwards everything to torch except:
+   - tensor factories (`zeros`, `empty`, `tensor`, `ones`, `full`, `arange`, ...) called with a CUDA
+     `device=` (megatron writes `device="cuda"` or `device=torch.cuda.current_device()` for scalars,
+     masks, rotary buffers, the pipeline schedule's token counter, clip-grad norms);
+   - `torch.cuda`, which becomes `_CpuCuda`: `current_device()` is the CPU device, streams and events
+     are no-ops (the MoE alltoall dispatcher, DDP and the optimizers create them), `synchronize()` and
+     `empty_cache()` do nothing (checkpoint saving calls them), and the RNG calls act on the CPU
+     generator (the model-parallel RNG tracker).
+   Only megatron's modules see the proxy; torch itself and every other library are untouched.
+2. `megatron.core.tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`: the RNG
+   tracker's fork/restore on the CPU generator.
+3. `torch.Tensor.type()` without arguments reports CPU float tensors as `torch.cuda.*Tensor`: the
+   distributed and mixed-precision optimizers refuse parameters whose type string is not a CUDA one.
+4. `torch.Tensor.cuda()` returns the tensor itself (a few megatron paths move buffers explicitly).
+
+`PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
+test tests/test_trainer_cpu_compat.py) fails with the missing names if a megatron-core upgrade renames
+one, instead of a confusing CUDA error deep in a forward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+import types
+from typing import Any
+
+import torch
+
+PATCHED_SYMBOLS: dict[str, tuple[str, ...]] = {
+    "megatron.core.tensor_parallel.random": ("_get_cuda_rng_state", "_set_cuda_rng_state", "CudaRNGStatesTracker"),
+    "megatron.core.pipeline_parallel.schedules": ("forward_backward_no_pipelining", "get_forward_backward_func"),
+    "megatron.core.optimizer.clip_grads": ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"),
+    "megatron.core.optimizer.distrib_optimizer": ("DistributedOptimizer",),
+    "megatron.core.transformer.moe.token_dispatcher": ("MoEAlltoAllTokenDispatcher", "MoEAllGatherTokenDispatcher"),
+}
+
+_FACTORIES = (
+    "arange",
+    "as_tensor",
+    "empty",
+    "empty_like",
+    "empty_strided",
+    "eye",
+    "full",
+    "full_like",
+    "linspace",
+    "ones",
+    "ones_like",
+    "rand",
+    "randint",
+    "randn",
+    "randperm",
+    "tensor",
+    "zeros",
+    "zeros_like",
+)
+_CPU = torch.device("cpu")
+_applied = False
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, torch.device) and device.type == "cuda"
+
+
+def _cpu_factory(fn: Any) -> Any:
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = _CPU
+        return fn(*args, **kwargs)
+
+    factory.__name__ = fn.__name__
+    return factory
+
+
+def _cpu_device(*args: Any, **kwargs: Any) -> torch.device:
+    if args and _is_cuda(args[0]):
+        return _CPU
+    return torch.device(*args, **kwargs)
+
+
+class _NullStream:
+    """A CUDA stream or event that does nothing (CPU work is synchronous)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *args, **kwargs: None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuCuda(types.ModuleType):
+    """`torch.cuda` as megatron-core sees it on a CPU machine."""
+
+    Stream = Event = ExternalStream = _NullStream
+
+    def __init__(self) -> None:
+        super().__init__("megatron_rl.trainer.cpu_compat.cuda")
+        self.random = types.SimpleNamespace(get_rng_state=self.get_rng_state, set_rng_state=self.set_rng_state)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+    @staticmethod
+    def current_device() -> torch.device:
+        return _CPU
+
+    @staticmethod
+    def device_count() -> int:
+        return 0
+
+    @staticmethod
+    def is_available() -> bool:
+        return False
+
+    @staticmethod
+    def current_stream(*args: Any, **kwargs: Any) -> _NullStream:
+        return _NullStream()
+
+    default_stream = current_stream
+
+    @staticmethod
+    def stream(*args: Any, **kwargs: Any) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    empty_cache = set_device = synchronize
+
+    @staticmethod
+    def get_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        torch.set_rng_state(state)
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        torch.manual_seed(seed)
+
+    manual_seed_all = manual_seed
+
+    @staticmethod
+    def is_current_stream_capturing() -> bool:
+        return False
+
+
+class _CpuTorch(types.ModuleType):
+    """`torch` as megatron-core's modules see it on a CPU machine (attribute lookups are cached)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CpuCuda()
+        self.device = _cpu_device
+        for name in _FACTORIES:
+            setattr(self, name, _cpu_factory(getattr(torch, name)))
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        setattr(self, name, value)
+        return value
+
+
+_TORCH = _CpuTorch()
+
+
+def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    if dtype is None:
+        name = _ORIGINAL_TYPE(self)
+        return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+    return _ORIGINAL_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return self
+
+
+_ORIGINAL_TYPE = torch.Tensor.type
+
+
+def check_symbols() -> None:
+    """Fail clearly when a megatron-core upgrade removed or renamed something this layer patches."""
+    missing = []
+    for module_name, names in PATCHED_SYMBOLS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            missing.append(f"{module_name} ({exc})")
+            continue
+        missing += [f"{module_name}.{name}" for name in names if not hasattr(module, name)]
+    if missing:
+        raise RuntimeError(
+            "megatron_rl.trainer.cpu_compat: megatron-core no longer has "
+            + ", ".join(missing)
+            + "; update the CPU compatibility layer for this megatron-core version"
+        )
+
+
+def _patch_loaded_modules() -> None:
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
+            module.torch = _TORCH  # type: ignore[attr-defined]
+
+
+def apply() -> bool:
+    """Apply the CPU redirections if CUDA is absent; idempotent. Returns whether they are active.
+
+    Call it after importing the megatron-core modules in use (megatron_rl.trainer does, once); modules
+    that megatron imports lazily later are covered by calling it again (cheap).
+    """
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    for module_name in PATCHED_SYMBOLS:
+        importlib.import_module(module_name)
+    check_symbols()
+    if not _applied:
+        from megatron.core.tensor_parallel import random as mp_random
+
+        mp_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()  # type: ignore[assignment]
+        mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)  # type: ignore[assignment]
+        torch.Tensor.type = _tensor_type  # type: ignore[method-assign,assignment]
+        torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign,assignment]
+        _applied = True
+    _patch_loaded_modules()
+    return True

@@ -1,0 +1,83 @@
+"""Process groups for the trainer: torch.distributed (NCCL on GPUs, gloo on CPU) and megatron's parallel state.
+
+A trainer rank learns its place from the usual environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`,
+`MASTER_PORT`, as set by torchrun, Ray actors or Slurm), or runs alone when none is set.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.config import ParallelConfig
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    ep_rank: int
+    dp_rank: int
+    device: torch.device
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def init_distributed(parallel: ParallelConfig, seed: int) -> RankInfo:
+    """Join (or create) the trainer's process group and megatron's TP/PP/EP/DP groups; idempotent."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_rl.trainer import cpu_compat
+
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        rank = int(os.environ.get("RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", 0)) or free_port()
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size
+        )
+    world_size = dist.get_world_size()
+    if world_size != parallel.trainer_devices:
+        raise ValueError(
+            f"parallel.trainer_devices: {parallel.trainer_devices} but the process group has {world_size} ranks"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=parallel.tp,
+            pipeline_model_parallel_size=parallel.pp,
+            expert_model_parallel_size=parallel.ep,
+        )
+    cpu_compat.apply()
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    return RankInfo(
+        rank=dist.get_rank(),
+        world_size=world_size,
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+    )
+
+
+def destroy_distributed() -> None:
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
