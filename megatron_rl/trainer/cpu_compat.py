@@ -11,6 +11,8 @@ What is patched, and why (see ../shared/FINDINGS.md, "CUDA-only calls hit on CPU
    - tensor factories (`zeros`, `empty`, `tensor`, `ones`, `full`, `arange`, ...) called with a CUDA
      `device=` (megatron writes `device="cuda"` or `device=torch.cuda.current_device()` for scalars,
      masks, rotary buffers, the pipeline schedule's token counter, clip-grad norms);
+   - `torch.distributed.all_to_all_single`, which gets its numpy split sizes as lists (gloo's binding
+     rejects numpy arrays; the MoE alltoall dispatcher passes them);
    - `torch.cuda`, which becomes `_CpuCuda`: `current_device()` is the CPU device, streams and events
      are no-ops (the MoE alltoall dispatcher, DDP and the optimizers create them), `synchronize()` and
      `empty_cache()` do nothing (checkpoint saving calls them), and the RNG calls act on the CPU
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import pkgutil
 import sys
 import types
 from typing import Any
@@ -43,7 +46,14 @@ PATCHED_SYMBOLS: dict[str, tuple[str, ...]] = {
     "megatron.core.optimizer.clip_grads": ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32"),
     "megatron.core.optimizer.distrib_optimizer": ("DistributedOptimizer",),
     "megatron.core.transformer.moe.token_dispatcher": ("MoEAlltoAllTokenDispatcher", "MoEAllGatherTokenDispatcher"),
+    "megatron.core.dist_checkpointing.strategies.filesystem_async": ("FileSystemWriterAsync",),
+    "megatron.core.dist_checkpointing.strategies.torch": ("TorchDistSaveShardedStrategy",),
+    "megatron.core.distributed.finalize_model_grads": ("finalize_model_grads",),
 }
+
+PRELOADED_PACKAGES = ("megatron.core.dist_checkpointing",)
+"""Packages whose modules megatron imports lazily in the middle of a call (checkpoint saving): imported
+up front by `apply()` so that their `torch` is the CPU proxy too."""
 
 _FACTORIES = (
     "arange",
@@ -100,7 +110,7 @@ class _NullStream:
         pass
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *args, **kwargs: None
+        return lambda *args, **kwargs: _NullStream()  # e.g. stream.record_event() -> an event
 
     def query(self) -> bool:
         return True
@@ -165,12 +175,35 @@ class _CpuCuda(types.ModuleType):
         return False
 
 
+class _Distributed(types.ModuleType):
+    """`torch.distributed` with split sizes given as numpy arrays accepted by `all_to_all_single`.
+
+    megatron's MoE alltoall dispatcher moves its split sizes to host memory as numpy arrays, which
+    torch 2.13's gloo binding rejects (it wants a sequence of ints)."""
+
+    def __init__(self) -> None:
+        super().__init__("torch.distributed")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all_single(
+        output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, **kw: Any
+    ) -> Any:
+        as_list = lambda sizes: sizes.tolist() if hasattr(sizes, "tolist") else sizes  # noqa: E731
+        return torch.distributed.all_to_all_single(
+            output, input, as_list(output_split_sizes), as_list(input_split_sizes), **kw
+        )
+
+
 class _CpuTorch(types.ModuleType):
     """`torch` as megatron-core's modules see it on a CPU machine (attribute lookups are cached)."""
 
     def __init__(self) -> None:
         super().__init__("torch")
         self.cuda = _CpuCuda()
+        self.distributed = _Distributed()
         self.device = _cpu_device
         for name in _FACTORIES:
             setattr(self, name, _cpu_factory(getattr(torch, name)))
@@ -233,6 +266,11 @@ def apply() -> bool:
         return False
     for module_name in PATCHED_SYMBOLS:
         importlib.import_module(module_name)
+    for package_name in PRELOADED_PACKAGES:
+        package = importlib.import_module(package_name)
+        for info in pkgutil.walk_packages(package.__path__, package_name + "."):
+            with contextlib.suppress(ImportError):  # optional backends (e.g. zarr) may be absent
+                importlib.import_module(info.name)
     check_symbols()
     if not _applied:
         from megatron.core.tensor_parallel import random as mp_random

@@ -131,6 +131,9 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
     )
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
+    dtype = DTYPES[trainer.params_dtype]
+    for param in gpt.parameters():  # megatron's torch norms are created fp32; buffers (RoPE) stay fp32
+        param.data = param.data.to(dtype)
     if trainer.fp32_lm_head:
         cast_lm_head_to_fp32(gpt)
     cpu_compat.apply()  # covers megatron modules imported while building

@@ -1,0 +1,162 @@
+"""Checkpoints: megatron-core distributed checkpointing of model + optimizer, plus the run's own state.
+
+Layout of `<run_dir>/checkpoints/`:
+
+    step_00000100/            one checkpoint (a megatron-core dist_checkpointing directory)
+        ...                   sharded tensors: {"model": GPTModel.sharded_state_dict(),
+                              "optimizer": the optimizer's sharded state (dp_reshardable)}
+        megatron_rl.json      {"step", "model": ModelConfig as a dict, "parallel": {...}}
+        run_state.pt          whatever the driver registers (sampler, curriculum, pipeline counters)
+                              plus the trainer's step counters and RNG states
+    latest                    the name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temporary directory and renamed when every rank has finished, so
+a crash mid-save never leaves a half checkpoint behind `latest`. Because the tensors are saved sharded by
+global shape, a checkpoint written under one TP/PP/EP/DP layout loads under another (megatron-core
+reshards); convert/ exports them to Hugging Face.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.trainer.step import Trainer
+
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root`, or None."""
+    marker = root / "latest"
+    if not marker.exists():
+        return None
+    path = root / marker.read_text().strip()
+    return path if path.is_dir() else None
+
+
+def _sharded_state(trainer: Trainer, is_loading: bool, model_only: bool = False) -> dict[str, Any]:
+    model_state = trainer.model.sharded_state_dict()
+    if model_only:
+        return {"model": model_state}
+    optimizer_state = trainer.optimizer.sharded_state_dict(
+        model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA
+    )
+    return {"model": model_state, "optimizer": optimizer_state}
+
+
+def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], keep_last: int = 2) -> Path:
+    """Save model, optimizer and `run_state` as `root/step_<step>`; all trainer ranks call it."""
+    from megatron.core import dist_checkpointing
+
+    root = Path(root)
+    name = f"step_{trainer.step:08d}"
+    final, tmp = root / name, root / f".tmp_{name}"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    if not trainer.optimizer_has_state:
+        _initialise_optimizer_state(trainer)
+    dist_checkpointing.save(_sharded_state(trainer, is_loading=False), str(tmp))
+    torch.save({"torch_rng": torch.get_rng_state()}, tmp / f"rng_rank{rank:05d}.pt")
+    if rank == 0:
+        torch.save(
+            {"trainer": {"step": trainer.step, "skipped_steps": trainer.skipped_steps}, "run": run_state},
+            tmp / "run_state.pt",
+        )
+        meta = {
+            "step": trainer.step,
+            "model": dataclasses.asdict(trainer.run.model),
+            "parallel": dataclasses.asdict(trainer.run.parallel),
+            "params_dtype": trainer.run.trainer.params_dtype,
+        }
+        (tmp / "megatron_rl.json").write_text(json.dumps(meta, indent=2))
+    _barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        marker_tmp = root / ".latest.tmp"
+        marker_tmp.write_text(name)
+        os.replace(marker_tmp, root / "latest")
+        old = sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last] if keep_last > 0 else []
+        for path in old:
+            shutil.rmtree(path, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def load_checkpoint(trainer: Trainer, path: Path, model_only: bool = False) -> dict[str, Any]:
+    """Restore model, optimizer and trainer counters from `path`; returns the driver's run state.
+
+    The model loads under any TP/PP/EP/DP layout. The optimizer state is saved dp-reshardable: it
+    resumes under a different data-parallel size but the same TP/PP/EP; to change those, load with
+    `model_only=True` (weights and counters, fresh optimizer state).
+    """
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    if not (path / "run_state.pt").exists():
+        raise FileNotFoundError(f"{path}: not a megatron_rl checkpoint (run_state.pt missing)")
+    meta = json.loads((path / "megatron_rl.json").read_text())
+    saved_model, model = meta["model"], dataclasses.asdict(trainer.run.model)
+    differs = [k for k in ("num_layers", "hidden_size", "vocab_size", "family") if saved_model.get(k) != model[k]]
+    if differs:
+        raise ValueError(
+            f"{path}: checkpoint model differs from the configured one in "
+            + ", ".join(f"{k} (checkpoint {saved_model.get(k)!r}, config {model[k]!r})" for k in differs)
+        )
+    saved_parallel, parallel = meta["parallel"], dataclasses.asdict(trainer.run.parallel)
+    moved = [k for k in ("tp", "pp", "ep") if saved_parallel[k] != parallel[k]]
+    if moved and not model_only:
+        raise ValueError(
+            f"{path}: saved with {', '.join(f'{k}={saved_parallel[k]}' for k in moved)} but configured with "
+            f"{', '.join(f'{k}={parallel[k]}' for k in moved)}; the optimizer state cannot be resharded across "
+            "TP/PP/EP: load with model_only=True (fresh optimizer state) or use the saved layout"
+        )
+    if not model_only and not trainer.optimizer_has_state:
+        _initialise_optimizer_state(trainer)
+    state = dist_checkpointing.load(_sharded_state(trainer, is_loading=True, model_only=model_only), str(path))
+    with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
+        trainer.model.load_state_dict(state["model"])
+        if not model_only:
+            trainer.optimizer.load_state_dict(state["optimizer"])
+        else:
+            trainer.optimizer.reload_model_params()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng_file = path / f"rng_rank{rank:05d}.pt"
+    if rng_file.exists():
+        torch.set_rng_state(torch.load(rng_file, weights_only=False)["torch_rng"])
+    saved = torch.load(path / "run_state.pt", weights_only=False)
+    trainer.step = saved["trainer"]["step"]
+    trainer.skipped_steps = saved["trainer"]["skipped_steps"]
+    return saved["run"]
+
+
+def _initialise_optimizer_state(trainer: Trainer) -> None:
+    """A fresh optimizer has no Adam state to load into: take one step with zero gradients and lr 0."""
+    lrs = [group["lr"] for group in trainer.optimizer.param_groups]
+    for group in trainer.optimizer.param_groups:
+        group["lr"] = 0.0
+    trainer.ddp.zero_grad_buffer()
+    trainer.optimizer.zero_grad()
+    for param in trainer.model.parameters():
+        if getattr(param, "main_grad", None) is not None:
+            param.main_grad.zero_()
+    trainer.optimizer.step()
+    for group, lr in zip(trainer.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    trainer.optimizer_has_state = True

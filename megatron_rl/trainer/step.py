@@ -1,0 +1,449 @@
+"""The RL train step on Megatron-Core (SCALERL.md §2-3).
+
+    trainer = Trainer(run_config)            # joins the process groups, builds model + optimizer
+    metrics = trainer.train_step(groups)     # one optimizer step on a batch of groups; version += 1
+
+One step:
+
+    groups -> advantages (batch / group / none) and aggregation weights, computed over the WHOLE batch
+           -> sequences sharded over data-parallel ranks, balanced by tokens
+           -> packed into rows of <= trainer.micro_batch_tokens (several sequences per row, block-diagonal
+              causal mask, positions restarting per sequence: no padding)
+           -> megatron's forward/backward schedule (any TP/PP/EP); the last stage computes fp32 log-probs
+              of the completion tokens only (logprobs.py) and the configured loss (megatron_rl.algo)
+           -> gradients summed over micro-batches and data-parallel ranks (the weights already
+              aggregate: per-token-loss mode, no 1/num_microbatches, no 1/dp)
+           -> a non-finite loss or gradient skips the step (counted in train/skipped_steps)
+           -> LR warm-up then constant, AdamW (eps 1e-15) with clipping, megatron's (distributed) optimizer
+
+Every rank of the trainer calls `train_step` with the same batch (the driver broadcasts it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from megatron_rl.algo.advantages import compute_advantages
+from megatron_rl.algo.aggregation import sequence_weights
+from megatron_rl.algo.losses import policy_loss
+from megatron_rl.config import RunConfig
+from megatron_rl.rollout.types import Group
+from megatron_rl.trainer import cpu_compat
+from megatron_rl.trainer.distributed import RankInfo, init_distributed
+from megatron_rl.trainer.logprobs import token_logprobs
+from megatron_rl.trainer.model import DTYPES, build_model, output_weight
+
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
+"""Dense bf16 peak FLOP/s per device, by device name, for MFU."""
+
+
+@dataclass
+class Sequence:
+    """One completion as the trainer sees it: prompt + completion tokens and per-completion-token data."""
+
+    tokens: list[int]
+    num_prompt: int
+    gen_logprobs: list[float]
+    loss_mask: list[bool]
+    advantage: float
+    weight: float
+    """The aggregation weight of each of its loss tokens (aggregation.py)."""
+    index: int = 0
+    """Position in the batch (to return per-sequence results in order)."""
+
+    @property
+    def num_completion(self) -> int:
+        return len(self.tokens) - self.num_prompt
+
+
+@dataclass
+class MicroBatch:
+    sequences: list[Sequence]
+    input_ids: Tensor = field(init=False)
+    position_ids: Tensor = field(init=False)
+    attention_mask: Tensor = field(init=False)
+    hidden_index_T: Tensor = field(init=False)
+    """Row of the packed hidden states that predicts each completion token."""
+    targets_T: Tensor = field(init=False)
+    seq_index_T: Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        tokens, positions, hidden_index, targets, seq_index = [], [], [], [], []
+        for s, seq in enumerate(self.sequences):
+            offset = len(tokens)
+            tokens += seq.tokens
+            positions += range(len(seq.tokens))
+            hidden_index += range(offset + seq.num_prompt - 1, offset + len(seq.tokens) - 1)
+            targets += seq.tokens[seq.num_prompt :]
+            seq_index += [s] * seq.num_completion
+        length = len(tokens)
+        self.input_ids = torch.tensor([tokens])
+        self.position_ids = torch.tensor([positions])
+        # Block-diagonal causal mask, True = masked (megatron's convention): a token sees its own prefix.
+        seq_id = torch.tensor([s for s, seq in enumerate(self.sequences) for _ in seq.tokens])
+        causal = torch.ones(length, length, dtype=torch.bool).tril()
+        self.attention_mask = ~(causal & (seq_id[:, None] == seq_id[None, :]))[None, None]
+        self.hidden_index_T = torch.tensor(hidden_index, dtype=torch.long)
+        self.targets_T = torch.tensor(targets, dtype=torch.long)
+        self.seq_index_T = torch.tensor(seq_index, dtype=torch.long)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def token_data(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per completion token: generator log-prob, advantage, loss mask, aggregation weight."""
+        gen = torch.tensor([lp for seq in self.sequences for lp in seq.gen_logprobs], dtype=torch.float32)
+        adv = torch.tensor([seq.advantage for seq in self.sequences for _ in range(seq.num_completion)])
+        mask = torch.tensor([m for seq in self.sequences for m in seq.loss_mask], dtype=torch.bool)
+        weight = torch.tensor([seq.weight for seq in self.sequences for _ in range(seq.num_completion)])
+        return gen, adv.float(), mask, weight.float()
+
+
+def sequences_from_groups(groups: list[Group], run: RunConfig) -> list[Sequence]:
+    """Advantages and aggregation weights over the whole batch, one `Sequence` per completion."""
+    sizes = {len(g.completions) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"train_step: all groups must have the same number of completions, got sizes {sorted(sizes)}")
+    rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
+    advantages_PG = compute_advantages(rewards_PG, run.algo.advantage_norm, run.algo.advantage_eps)
+    completions = [(p, c) for p, g in enumerate(groups) for c in g.completions]
+    lengths_S = torch.tensor([sum(c.loss_mask) for _, c in completions])
+    prompt_index_S = torch.tensor([p for p, _ in completions])
+    weights_S = sequence_weights(lengths_S, prompt_index_S, run.algo.aggregation)
+    advantages_S = advantages_PG.flatten()
+    return [
+        Sequence(
+            tokens=list(c.prompt_tokens) + list(c.tokens),
+            num_prompt=len(c.prompt_tokens),
+            gen_logprobs=list(c.gen_logprobs),
+            loss_mask=list(c.loss_mask),
+            advantage=float(advantages_S[i]),
+            weight=float(weights_S[i]),
+            index=i,
+        )
+        for i, (_, c) in enumerate(completions)
+    ]
+
+
+def shard_for_rank(sequences: list[Sequence], num_shards: int, shard: int) -> list[Sequence]:
+    """This data-parallel rank's sequences: longest first onto the least-loaded shard (deterministic)."""
+    loads = [0] * num_shards
+    mine = []
+    for seq in sorted(sequences, key=lambda s: (-len(s.tokens), s.index)):
+        target = min(range(num_shards), key=lambda r: (loads[r], r))
+        loads[target] += len(seq.tokens)
+        if target == shard:
+            mine.append(seq)
+    return mine
+
+
+def pack(sequences: list[Sequence], budget: int) -> list[list[Sequence]]:
+    """First-fit decreasing into rows of <= budget tokens (a longer sequence gets a row of its own)."""
+    rows: list[list[Sequence]] = []
+    loads: list[int] = []
+    for seq in sorted(sequences, key=lambda s: (-len(s.tokens), s.index)):
+        for r, load in enumerate(loads):
+            if load + len(seq.tokens) <= budget:
+                rows[r].append(seq)
+                loads[r] += len(seq.tokens)
+                break
+        else:
+            rows.append([seq])
+            loads.append(len(seq.tokens))
+    return rows
+
+
+def _filler() -> Sequence:
+    """A two-token sequence with no loss tokens: keeps micro-batch counts equal across ranks."""
+    return Sequence([0, 0], num_prompt=1, gen_logprobs=[0.0], loss_mask=[False], advantage=0.0, weight=0.0, index=-1)
+
+
+def count_params(model: Any) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+class Trainer:
+    """One trainer rank: the model chunk, its optimizer, and the train step."""
+
+    def __init__(self, run: RunConfig) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.run = run
+        self.info: RankInfo = init_distributed(run.parallel, run.trainer.seed)
+        torch.manual_seed(run.trainer.seed)
+        self.model = build_model(run.model, run.parallel, run.trainer)
+        config = self.model.config
+        self.ddp = DistributedDataParallel(
+            config,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True,
+                use_distributed_optimizer=run.parallel.distributed_optimizer,
+                overlap_grad_reduce=False,
+                bucket_size=None,
+            ),
+            module=self.model,
+        )
+        # Sum gradients over micro-batches and ranks exactly (the loss weights already aggregate).
+        config.finalize_model_grads_func = lambda models, num_tokens=None, **kwargs: finalize_model_grads(
+            models, None, **kwargs
+        )
+        opt = run.trainer.optimizer
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.grad_clip,
+                bf16=run.trainer.params_dtype == "bf16",
+                params_dtype=DTYPES[run.trainer.params_dtype],
+                use_distributed_optimizer=run.parallel.distributed_optimizer,
+            ),
+            [self.ddp],
+        )
+        cpu_compat.apply()
+        self.step = 0
+        """Optimizer steps taken (successful ones): the policy version of the current weights."""
+        self.skipped_steps = 0
+        self.optimizer_has_state = False
+        """Adam state exists only after a first step (checkpoint.py initialises it before save/load)."""
+        self.num_params = self._global_param_count()
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self.step
+
+    def _global_param_count(self) -> int:
+        from megatron.core import parallel_state
+
+        local = torch.tensor([float(count_params(self.model))], dtype=torch.float64)
+        if self.run.parallel.tp * self.run.parallel.pp > 1:
+            dist.all_reduce(local, group=parallel_state.get_model_parallel_group())
+        return int(local.item())
+
+    def _learning_rate(self) -> float:
+        opt = self.run.trainer.optimizer
+        if opt.warmup_steps == 0:
+            return opt.lr
+        return opt.lr * min(1.0, (self.step + 1) / opt.warmup_steps)
+
+    def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
+        from megatron.core import parallel_state
+
+        mine = shard_for_rank(
+            sequences, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+        )
+        rows = pack(mine, self.run.trainer.micro_batch_tokens)
+        count = torch.tensor([len(rows)])
+        if dist.get_world_size() > 1:  # expert-parallel all-to-alls need the same count on every rank
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        rows += [[_filler()] for _ in range(int(count.item()) - len(rows))]
+        return [MicroBatch(row) for row in rows]
+
+    def _forward(self, model: Any, micro_batch: MicroBatch, record: dict[str, Any]) -> Tensor:
+        from megatron.core import parallel_state, tensor_parallel
+
+        def head(hidden_states: Tensor, **kwargs: Any) -> Tensor:
+            if self.model.config.sequence_parallel:
+                hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
+            else:
+                hidden_states = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states)
+            hidden_TH = hidden_states[:, 0, :].index_select(0, micro_batch.hidden_index_T.to(hidden_states.device))
+            if self.run.trainer.fp32_lm_head:
+                hidden_TH = hidden_TH.float()
+            logprobs_T, entropy_T = token_logprobs(
+                hidden_TH,
+                output_weight(self.model),
+                micro_batch.targets_T.to(hidden_states.device),
+                self.run.trainer.logprob_chunk_tokens,
+                parallel_state.get_tensor_model_parallel_group(),
+            )
+            record["entropy"] = entropy_T
+            return logprobs_T
+
+        device = self.info.device
+        return model(
+            micro_batch.input_ids.to(device),
+            micro_batch.position_ids.to(device),
+            micro_batch.attention_mask.to(device),
+            output_processor=head,
+        )
+
+    def _run_schedule(self, micro_batches: list[MicroBatch], forward_only: bool, loss_fn: Any) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        records: list[dict[str, Any]] = []
+        batches = iter(micro_batches)
+
+        def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[Tensor, Any]:
+            micro_batch = next(data_iterator)
+            record: dict[str, Any] = {"micro_batch": micro_batch}
+            records.append(record)
+            output = self._forward(model, micro_batch, record)
+            return output, lambda logprobs_T: loss_fn(logprobs_T, micro_batch, record)
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=[self.ddp],
+            num_microbatches=len(micro_batches),
+            seq_length=max(mb.num_tokens for mb in micro_batches),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+        return records
+
+    # ------------------------------------------------------------------------------------------
+    def train_step(self, groups: list[Group]) -> dict[str, float]:
+        """One optimizer step on `groups` (same batch on every trainer rank); returns train/* metrics."""
+        started = time.perf_counter()
+        sequences = sequences_from_groups(groups, self.run)
+        micro_batches = self._micro_batches(sequences)
+        algo = self.run.algo
+        sums = torch.zeros(6, dtype=torch.float64)  # loss, loss tokens, clipped, |logratio|, entropy, count
+
+        def loss_fn(logprobs_T: Tensor, micro_batch: MicroBatch, record: dict[str, Any]) -> tuple[Any, ...]:
+            gen_T, adv_T, mask_T, weight_T = (t.to(logprobs_T.device) for t in micro_batch.token_data())
+            loss, stats = policy_loss(
+                algo,
+                logprobs_T,
+                gen_T,
+                adv_T,
+                mask_T,
+                micro_batch.seq_index_T.to(logprobs_T.device),
+                len(micro_batch.sequences),
+                weight_T,
+            )
+            entropy_T = record["entropy"]
+            sums.add_(
+                torch.stack(
+                    [
+                        loss.detach().double().cpu(),
+                        stats["loss_tokens"].cpu(),
+                        stats["clipped_tokens"].cpu(),
+                        stats["abs_logratio_sum"].cpu(),
+                        entropy_T[mask_T].double().sum().cpu(),
+                        torch.tensor(0.0, dtype=torch.float64),
+                    ]
+                )
+            )
+            return loss, torch.tensor(int(mask_T.sum()), dtype=torch.int), {"loss": loss.detach()}
+
+        for group in self.optimizer.param_groups:
+            group["lr"] = self._learning_rate()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._run_schedule(micro_batches, forward_only=False, loss_fn=loss_fn)
+
+        # Loss and metric sums live on the last pipeline stage of each data-parallel rank: sum them all.
+        from megatron.core import parallel_state
+
+        if not parallel_state.is_pipeline_last_stage() or parallel_state.get_tensor_model_parallel_rank() != 0:
+            sums.zero_()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        finite = torch.tensor([float(math.isfinite(float(sums[0])) and self._grads_finite())])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+
+        metrics: dict[str, float] = {}
+        if finite.item() < 1:
+            self.skipped_steps += 1
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            grad_norm = float("nan")
+        else:
+            _, grad_norm, _ = self.optimizer.step()
+            self.optimizer_has_state = True
+            self.step += 1
+        elapsed = time.perf_counter() - started
+        tokens = sum(len(s.tokens) for s in sequences)
+        loss_tokens = max(float(sums[1]), 1.0)
+        flops = 6.0 * self.num_params * tokens  # forward + backward of a dense equivalent
+        metrics.update(
+            {
+                "train/loss": float(sums[0]),
+                "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "train/entropy": float(sums[4]) / loss_tokens,
+                "train/mismatch": float(sums[3]) / loss_tokens,
+                "train/clip_frac": float(sums[2]) / loss_tokens,
+                "train/lr": self._learning_rate() if finite.item() < 1 else self._last_lr(),
+                "train/skipped_steps": float(self.skipped_steps),
+                "train/tokens": float(tokens),
+                "train/loss_tokens": float(sums[1]),
+                "train/micro_batches": float(len(micro_batches)),
+                "train/step_time_s": elapsed,
+                "train/tokens_per_s": tokens / elapsed,
+                "train/tflops_per_device": flops / elapsed / self.info.world_size / 1e12,
+            }
+        )
+        peak = _peak_flops()
+        if peak:
+            metrics["train/mfu"] = flops / elapsed / self.info.world_size / peak
+        return metrics
+
+    def _last_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _grads_finite(self) -> bool:
+        for param in self.model.parameters():
+            grad = getattr(param, "main_grad", None)
+            if grad is None:
+                grad = param.grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                return False
+        return True
+
+    @torch.no_grad()
+    def compute_logprobs(self, groups: list[Group]) -> list[list[float]]:
+        """Trainer log-probs of every completion token (forward only), per completion in batch order.
+
+        The returned lists are complete on every rank of the last pipeline stage; other ranks get them
+        by all-gather (all ranks call this together).
+        """
+        sequences = sequences_from_groups(groups, self.run)
+        micro_batches = self._micro_batches(sequences)
+        results: dict[int, list[float]] = {}
+
+        def collect(logprobs_T: Tensor, micro_batch: MicroBatch, record: dict[str, Any]) -> tuple[Any, ...]:
+            for s, seq in enumerate(micro_batch.sequences):
+                if seq.index >= 0:  # not a filler
+                    results[seq.index] = logprobs_T[micro_batch.seq_index_T == s].float().cpu().tolist()
+            return logprobs_T.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+
+        self.ddp.eval()
+        try:
+            self._run_schedule(micro_batches, forward_only=True, loss_fn=collect)
+        finally:
+            self.ddp.train()
+        if dist.get_world_size() > 1:
+            gathered: list[dict[int, list[float]]] = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(gathered, results)
+            for part in gathered:
+                results.update(part)
+        return [results[i] for i in range(len(sequences))]
+
+
+def _peak_flops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((flops for key, flops in PEAK_FLOPS.items() if key in name), None)

@@ -1,0 +1,253 @@
+"""The Megatron-Core trainer: fp32 chunked log-probs, packing, and multi-process runs on CPU with gloo.
+
+Multi-rank checks launch tests/trainer_worker.py in fresh processes (megatron's parallel state is
+process-global); they compare against a TP=1/PP=1/EP=1/DP=1 reference loaded from the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.trainer.logprobs import naive_token_logprobs, token_logprobs
+from megatron_rl.trainer.step import MicroBatch, Sequence, pack, shard_for_rank
+
+WORKER = Path(__file__).with_name("trainer_worker.py")
+LR = ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Log-probs
+
+
+def test_chunked_logprobs_match_full_softmax_with_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (37,))
+    upstream = torch.randn(37)
+
+    logprobs, entropy = token_logprobs(hidden, weight, targets, chunk=8)
+    (logprobs * upstream).sum().backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    log_softmax = torch.log_softmax(hidden.double() @ weight.double().t(), dim=-1)
+    reference = log_softmax.gather(1, targets[:, None]).squeeze(1)
+    (reference * upstream.double()).sum().backward()
+
+    assert logprobs.dtype == torch.float32 and entropy.dtype == torch.float32
+    torch.testing.assert_close(logprobs.double(), reference, atol=2e-5, rtol=0)
+    torch.testing.assert_close(entropy.double(), -(log_softmax.exp() * log_softmax).sum(-1), atol=2e-5, rtol=0)
+    torch.testing.assert_close(grads[0], hidden.grad, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(grads[1], weight.grad, atol=2e-5, rtol=1e-4)
+
+
+def test_logprobs_are_fp32_for_a_bf16_body_and_fp32_head():
+    hidden = torch.randn(5, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float32, requires_grad=True)
+    logprobs, _ = token_logprobs(hidden.float(), weight, torch.arange(5), chunk=2)
+    logprobs.sum().backward()
+    assert logprobs.dtype == torch.float32 and weight.grad.dtype == torch.float32
+    assert hidden.grad.dtype == torch.bfloat16
+    expected, _ = naive_token_logprobs(hidden.float(), weight, torch.arange(5))
+    torch.testing.assert_close(logprobs, expected, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Packing
+
+
+def _seq(n_prompt: int, n_completion: int, index: int) -> Sequence:
+    tokens = list(range(10 * index, 10 * index + n_prompt + n_completion))
+    return Sequence(tokens, n_prompt, [0.0] * n_completion, [True] * n_completion, 1.0, 0.1, index)
+
+
+def test_pack_respects_budget_and_keeps_every_sequence():
+    sequences = [_seq(3, n, i) for i, n in enumerate([5, 9, 2, 7, 1, 4])]
+    rows = pack(sequences, budget=12)
+    assert sorted(s.index for row in rows for s in row) == list(range(6))
+    assert all(sum(len(s.tokens) for s in row) <= 12 for row in rows)
+    assert sorted(sorted(len(s.tokens) for s in row) for row in rows) == [[4, 8], [5, 7], [10], [12]]
+    oversize = pack([_seq(10, 10, 0)], budget=8)
+    assert len(oversize) == 1 and len(oversize[0]) == 1  # a long sequence gets its own row
+
+
+def test_data_parallel_shards_partition_the_batch():
+    sequences = [_seq(2, n, i) for i, n in enumerate([5, 9, 2, 7, 1, 4, 3])]
+    shards = [shard_for_rank(sequences, 3, r) for r in range(3)]
+    assert sorted(s.index for shard in shards for s in shard) == list(range(7))
+    loads = [sum(len(s.tokens) for s in shard) for shard in shards]
+    assert max(loads) - min(loads) <= 11  # greedy balance: within the longest sequence
+
+
+def test_micro_batch_mask_positions_and_targets():
+    a, b = _seq(2, 3, 0), _seq(1, 2, 1)
+    mb = MicroBatch([a, b])
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    mask = mb.attention_mask[0, 0]
+    assert not mask[4, 0] and mask[0, 4]  # causal inside a
+    assert mask[5, 4] and mask[6, 0]  # b never sees a
+    assert not mask[7, 5]
+    # completion token j of a sequence is predicted by the hidden state just before it
+    assert mb.hidden_index_T.tolist() == [1, 2, 3, 5, 6]
+    assert mb.targets_T.tolist() == a.tokens[2:] + b.tokens[1:]
+    assert mb.seq_index_T.tolist() == [0, 0, 0, 1, 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# Megatron-Core on CPU: the compatibility layer's canary
+
+
+def test_cpu_compat_symbols_exist():
+    from megatron_rl.trainer import cpu_compat
+
+    cpu_compat.check_symbols()  # raises naming what an upgrade removed
+
+
+# ------------------------------------------------------------------------------------------------
+# Multi-process runs
+
+
+def _run(tmp: Path, name: str, spec: dict, world: int = 1) -> list[dict]:
+    from megatron_rl.trainer.distributed import free_port
+
+    spec = {"model": "cpu_demo", "out": str(tmp / name), **spec}
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+        env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), json.dumps(spec)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, out[-4000:]
+    return [torch.load(f"{spec['out']}.rank{r}", weights_only=False) for r in range(world)]
+
+
+def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
+    return max(abs(x - y) for la, lb in zip(a, b, strict=True) for x, y in zip(la, lb, strict=True))
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rotate(x: torch.Tensor, base: float) -> torch.Tensor:
+    """RoPE, non-interleaved halves (x: [seq, heads, head_dim])."""
+    seq, _, dim = x.shape
+    inv_freq = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq[None]
+    cos, sin = torch.cat([angles, angles], -1).cos()[:, None], torch.cat([angles, angles], -1).sin()[:, None]
+    half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1)
+    return x * cos + half * sin
+
+
+def _plain_llama_logprobs(state: dict, tokens: list[int], num_prompt: int, cfg) -> list[float]:
+    """An independent float64 Llama forward from megatron's parameter names and layouts."""
+    heads, groups, dim = cfg.num_attention_heads, cfg.num_query_groups, cfg.head_dim
+    x = state["embedding.word_embeddings.weight"].double()[torch.tensor(tokens)]
+    n = len(tokens)
+    causal = torch.ones(n, n, dtype=torch.bool).tril()
+    for layer in range(cfg.num_layers):
+        p = {k.split(f"decoder.layers.{layer}.", 1)[1]: v.double() for k, v in state.items() if f"layers.{layer}." in k}
+        h = _rms_norm(x, p["input_layernorm.weight"], cfg.norm_epsilon)
+        qkv = (h @ p["self_attention.linear_qkv.weight"].t()).view(n, groups, heads // groups + 2, dim)
+        q = qkv[:, :, :-2].reshape(n, heads, dim)
+        k = qkv[:, :, -2].repeat_interleave(heads // groups, dim=1)
+        v = qkv[:, :, -1].repeat_interleave(heads // groups, dim=1)
+        q, k = _rotate(q, cfg.rotary_base), _rotate(k, cfg.rotary_base)
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(dim)
+        attn = torch.softmax(scores.masked_fill(~causal, float("-inf")), -1)
+        x = (
+            x
+            + torch.einsum("hqk,khd->qhd", attn, v).reshape(n, heads * dim) @ p["self_attention.linear_proj.weight"].t()
+        )
+        h = _rms_norm(x, p["pre_mlp_layernorm.weight"], cfg.norm_epsilon)
+        gate, up = (h @ p["mlp.linear_fc1.weight"].t()).chunk(2, -1)
+        x = x + (torch.nn.functional.silu(gate) * up) @ p["mlp.linear_fc2.weight"].t()
+    x = _rms_norm(x, state["decoder.final_layernorm.weight"].double(), cfg.norm_epsilon)
+    logp = torch.log_softmax(x @ state["output_layer.weight"].double().t(), -1)
+    return [float(logp[i - 1, tokens[i]]) for i in range(num_prompt, n)]
+
+
+@pytest.mark.slow
+def test_megatron_logprobs_equal_an_independent_torch_forward(tmp_path):
+    from megatron_rl.config import load_config
+
+    (result,) = _run(tmp_path, "ref", {"overrides": LR, "dump_state": str(tmp_path / "state.pt")})
+    dumped = torch.load(tmp_path / "state.pt", weights_only=False)
+    cfg = load_config("scalerl-cpu", "cpu_demo", []).model
+    expected = [
+        _plain_llama_logprobs(dumped["state"], c.prompt_tokens + c.tokens, len(c.prompt_tokens), cfg)
+        for g in dumped["batch"]
+        for c in g.completions
+    ]
+    assert _max_diff(result["logprobs"], expected) < 2e-5
+
+
+@pytest.mark.slow
+def test_bf16_body_keeps_an_fp32_head_and_cispo_lowers_the_loss(tmp_path):
+    (result,) = _run(tmp_path, "bf16", {"overrides": [*LR, "trainer.params_dtype=bf16"], "steps": 4, "on_policy": True})
+    assert result["body_dtype"] == "torch.bfloat16"
+    assert result["head_dtype"] == "torch.float32" and result["head_grad_dtype"] == "torch.float32"
+    losses = [s["train/loss"] for s in result["steps"]]
+    assert losses[-1] < losses[0] - 0.3, losses  # on-policy CISPO loss = -sum w A log pi: it must go down
+    assert all(s["train/mismatch"] < 1e-2 for s in result["steps"])  # bf16 body, fp32 head and log-probs
+
+
+@pytest.mark.slow
+def test_resume_gives_the_bit_identical_next_step(tmp_path):
+    (full,) = _run(tmp_path, "full", {"overrides": LR, "steps": 3, "save": str(tmp_path / "ck"), "save_after": 2})
+    checkpoint = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text()
+    (resumed,) = _run(tmp_path, "resumed", {"overrides": LR, "steps": 1, "load": str(checkpoint)})
+    assert resumed["steps"][0] == full["steps"][2]  # loss, grad norm and mismatch, bit for bit
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, layout",
+    [
+        ("cpu_demo", ["parallel.tp=2"]),
+        ("cpu_demo", ["parallel.pp=2"]),
+        ("cpu_demo", []),  # DP=2 with the distributed optimizer
+        ("tiny_moe", ["parallel.ep=2"]),
+    ],
+    ids=["tp2", "pp2", "dp2", "ep2"],
+)
+def test_parallel_layouts_match_a_single_rank(tmp_path, model, layout):
+    single = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
+    (ref,) = _run(tmp_path, "ref", {"model": model, "overrides": LR + single, "save": str(tmp_path / "ck")})
+    checkpoint = str(tmp_path / "ck" / "step_00000000")
+    (ref_step,) = _run(
+        tmp_path,
+        "ref_step",
+        {"model": model, "overrides": LR + single, "load": checkpoint, "model_only": True, "steps": 1},
+    )
+    overrides = LR + single[:3] + layout + ["parallel.trainer_devices=2"]
+    ranks = _run(
+        tmp_path,
+        "par",
+        {"model": model, "overrides": overrides, "load": checkpoint, "model_only": True, "steps": 1},
+        world=2,
+    )
+    for rank in ranks:
+        assert _max_diff(rank["logprobs"], ref["logprobs"]) < 2e-5
+        step, expected = rank["steps"][0], ref_step["steps"][0]
+        assert step["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-5, abs=1e-6)
+        assert step["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)

@@ -1,0 +1,82 @@
+"""A trainer rank for the multi-process trainer tests (tests/test_trainer.py launches it).
+
+    python tests/trainer_worker.py SPEC_JSON
+
+SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
+       "steps": n, "out": file}. Every rank writes its results to `out.rank<r>`: log-probs of a
+fixed batch before training, then the loss and grad norm of each step.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+
+import torch
+
+
+def fixed_batch(seed: int = 0, prompts: int = 4, group: int = 4, vocab: int = 500) -> list:
+    from megatron_rl.rollout.types import Completion, Group
+
+    rng = random.Random(seed)
+    groups = []
+    for p in range(prompts):
+        prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(3, 9))]
+        completions = []
+        for g in range(group):
+            n = rng.randrange(2, 12)
+            completions.append(
+                Completion(
+                    prompt_id=str(p),
+                    task="math",
+                    prompt_tokens=prompt,
+                    tokens=[rng.randrange(5, vocab) for _ in range(n)],
+                    gen_logprobs=[-6.0 + 0.1 * rng.random() for _ in range(n)],
+                    versions=[0] * n,
+                    loss_mask=[i != 1 for i in range(n)],  # one masked (injected) token per completion
+                    reward=float((p + g) % 2 * 2 - 1),
+                )
+            )
+        groups.append(Group(str(p), "math", completions))
+    return groups
+
+
+def main(spec: dict) -> None:
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_rl.trainer.step import Trainer
+
+    torch.set_num_threads(1)
+    run = load_config(spec.get("recipe", "scalerl-cpu"), spec["model"], spec.get("overrides", []))
+    trainer = Trainer(run)
+    if spec.get("load"):
+        load_checkpoint(trainer, spec["load"], model_only=spec.get("model_only", False))
+    batch = fixed_batch()
+    result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": []}
+    if spec.get("dump_state"):
+        state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        torch.save({"state": state, "batch": batch}, spec["dump_state"])
+    for _ in range(spec.get("steps", 0)):
+        if spec.get("on_policy"):  # generator log-probs = the current policy's: the loss is the PG objective
+            logprobs = iter(trainer.compute_logprobs(batch))
+            for group in batch:
+                for completion in group.completions:
+                    completion.gen_logprobs = next(logprobs)
+        metrics = trainer.train_step(batch)
+        result["steps"].append({k: metrics[k] for k in ("train/loss", "train/grad_norm", "train/mismatch")})
+        if spec.get("save_after") == len(result["steps"]):
+            save_checkpoint(trainer, spec["save"], {"note": "test"})
+    if spec.get("save") and not spec.get("save_after"):
+        save_checkpoint(trainer, spec["save"], {"note": "test"})
+    head = trainer.model.output_layer.weight if trainer.model.post_process else None
+    if head is not None:
+        result["head_dtype"] = str(head.dtype)
+        result["head_grad_dtype"] = str(head.main_grad.dtype) if getattr(head, "main_grad", None) is not None else None
+        result["body_dtype"] = str(next(trainer.model.decoder.parameters()).dtype)
+    rank = torch.distributed.get_rank()
+    torch.save(result, f"{spec['out']}.rank{rank}")
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
