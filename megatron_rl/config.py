@@ -218,6 +218,9 @@ class TrainerConfig:
     """Token budget of one packed micro-batch."""
     logprob_chunk_tokens: int = 1024
     """Tokens per chunk in the fp32 log-prob/entropy computation (bounds the [chunk x vocab] buffer)."""
+    warm_start_steps: int = 0
+    """(CPU demo) supervised steps on a synthetic task's worked solutions before RL, for a model that
+    starts from random weights (model.hf_path null); 0 = none."""
     layer_spec: Literal["auto", "transformer_engine", "local"] = "auto"
     """auto = Transformer Engine when importable and CUDA is present, else megatron-core's local spec."""
     seed: int = 1234

@@ -1,6 +1,6 @@
-"""A trainer rank for the multi-process trainer tests (tests/test_trainer.py launches it).
+"""A trainer rank for the multi-process trainer tests (tests/integration/test_trainer.py launches it).
 
-    python tests/trainer_worker.py SPEC_JSON
+    python tests/integration/trainer_worker.py SPEC_JSON
 
 SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
        "steps": n, "out": file}. Every rank writes its results to `out.rank<r>`: log-probs of a
