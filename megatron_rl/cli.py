@@ -2,6 +2,7 @@
 
     megatron-rl recipes                              list the recipes and what each changes
     megatron-rl check --recipe R [--model M] [k=v]   resolve and validate a run config, print the plan
+    megatron-rl train --recipe R [--model M] [k=v]   run (or resume) a ScaleRL training run
     megatron-rl fit RUNS.jsonl ... [options]         fit / predict / compare scaling curves
     megatron-rl convert --from-hf | --to-hf ...      Hugging Face <-> Megatron checkpoints
 
@@ -63,6 +64,15 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    config = load_config(args.recipe, args.model, args.overrides)
+    from megatron_rl.orchestration.train import train
+
+    run_dir = train(config)
+    print(f"run directory: {run_dir}")
+    return 0
+
+
 def _delegate(module: str) -> Callable[[list[str]], int]:
     """A subcommand whose parser lives with its package (`module.main(argv) -> int`)."""
 
@@ -93,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(check)
     check.add_argument("--write", action="store_true", help="write the resolved config into the run directory")
     check.set_defaults(func=_cmd_check)
+    run = sub.add_parser("train", help="run (or resume) a ScaleRL training run")
+    _add_run_args(run)
+    run.set_defaults(func=_cmd_train)
     for name, (module, help_text) in DELEGATED.items():
         if _available(module):
             sub.add_parser(name, help=help_text, add_help=False)

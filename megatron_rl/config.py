@@ -216,8 +216,9 @@ class TrainerConfig:
     """Output layer weights, matmul and log-softmax in fp32 (SCALERL.md §3; `loo-fp32` turns it off)."""
     micro_batch_tokens: int = 16384
     """Token budget of one packed micro-batch."""
-    logprob_chunk_tokens: int = 1024
-    """Tokens per chunk in the fp32 log-prob/entropy computation (bounds the [chunk x vocab] buffer)."""
+    logprob_chunk_mib: int = 64
+    """Size of one [tokens x vocab/tp] fp32 logits chunk in the log-prob/entropy computation (ours): the
+    chunk has max(1, logprob_chunk_mib MiB / (4 x vocab/tp)) tokens (128 at a 128k vocabulary, TP 1)."""
     warm_start_steps: int = 0
     """(CPU demo) supervised steps on a synthetic task's worked solutions before RL, for a model that
     starts from random weights (model.hf_path null); 0 = none."""
@@ -369,8 +370,8 @@ class RolloutConfig:
     answer_tokens: int = 2048
     """Budget after the end of thinking (after interruption, up to this many tokens more)."""
     interruption: InterruptionConfig = field(default_factory=InterruptionConfig)
-    weight_sync: Literal["distributed", "tensor", "disk"] = "distributed"
-    """Trainer -> engines transport: a process group (NCCL/gloo), CPU tensors over HTTP, or files."""
+    weight_sync: Literal["distributed", "disk"] = "distributed"
+    """Trainer -> engines transport: a process group (NCCL/gloo) or safetensors files (the fallback)."""
     sync_bucket_mb: int = 512
     max_retries: int = 3
     """Retries of a request whose engine failed, on another engine or after restart."""

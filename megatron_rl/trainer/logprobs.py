@@ -31,23 +31,24 @@ def _all_reduce(tensor: Tensor, op: Any, group: Any) -> Tensor:
 
 def _chunk_stats(
     hidden_CH: Tensor, weight_VH: Tensor, targets_C: Tensor, vocab_start: int, group: Any
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Logits of one chunk and its (global) log-normaliser, target logit and expected logit."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One chunk's (global) log-normaliser of the logits, target log-prob and entropy."""
     logits_CV = (hidden_CH.to(weight_VH.dtype) @ weight_VH.t()).float()
     max_C = _all_reduce(logits_CV.max(dim=-1).values, dist.ReduceOp.MAX, group)
-    shifted_CV = logits_CV - max_C[:, None]
+    shifted_CV = logits_CV.sub_(max_C[:, None])  # in place: two [chunk x vocab] buffers at most
     exp_CV = shifted_CV.exp()
-    sums_2C = torch.stack([exp_CV.sum(dim=-1), (exp_CV * shifted_CV).sum(dim=-1)])
+    sum_exp_z_C = torch.bmm(exp_CV[:, None, :], shifted_CV[:, :, None]).view(-1)  # no third buffer
+    sums_2C = torch.stack([exp_CV.sum(dim=-1), sum_exp_z_C])
     local_C = targets_C - vocab_start
-    in_range_C = (local_C >= 0) & (local_C < logits_CV.shape[-1])
-    target_C = shifted_CV.gather(1, local_C.clamp(0, logits_CV.shape[-1] - 1)[:, None]).squeeze(1)
+    in_range_C = (local_C >= 0) & (local_C < shifted_CV.shape[-1])
+    target_C = shifted_CV.gather(1, local_C.clamp(0, shifted_CV.shape[-1] - 1)[:, None]).squeeze(1)
     target_C = torch.where(in_range_C, target_C, torch.zeros_like(target_C))
     stats_3C = _all_reduce(torch.cat([sums_2C, target_C[None]]), dist.ReduceOp.SUM, group)
     sum_exp_C, sum_exp_z_C, target_C = stats_3C
     log_z_C = sum_exp_C.log()  # log-normaliser of the shifted logits
     logprob_C = target_C - log_z_C
     entropy_C = log_z_C - sum_exp_z_C / sum_exp_C
-    return logits_CV, max_C + log_z_C, logprob_C, entropy_C
+    return max_C + log_z_C, logprob_C, entropy_C
 
 
 class _ChunkedLogProbs(torch.autograd.Function):
@@ -59,7 +60,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         with torch.no_grad():
             for start in range(0, hidden_TH.shape[0], chunk):
                 rows = slice(start, start + chunk)
-                _, log_norm_C, logprob_C, entropy_C = _chunk_stats(
+                log_norm_C, logprob_C, entropy_C = _chunk_stats(
                     hidden_TH[rows], weight_VH, targets_T[rows], vocab_start, group
                 )
                 logprobs.append(logprob_C)
@@ -88,8 +89,9 @@ class _ChunkedLogProbs(torch.autograd.Function):
             in_range_C = (local_C >= 0) & (local_C < vocab)
             index = in_range_C.nonzero().squeeze(1)
             grad_CV[index, local_C[index]] += grad_logprob_T[rows][index]
-            grad_hidden_TH[rows] = (grad_CV.to(weight_VH.dtype) @ weight_VH).float()
-            grad_weight_VH += (grad_CV.t().to(weight_VH.dtype) @ h_CH).float()
+            grad_CV = grad_CV.to(weight_VH.dtype)
+            grad_hidden_TH[rows] = (grad_CV @ weight_VH).float()
+            grad_weight_VH.addmm_(grad_CV.t().float(), h_CH.float())  # in place: no [vocab x hidden] temporary
         return grad_hidden_TH.to(hidden_TH.dtype), grad_weight_VH.to(weight_VH.dtype), None, None, None, None
 
 

@@ -273,7 +273,7 @@ class Trainer:
                 hidden_TH,
                 output_weight(self.model),
                 micro_batch.targets_T.to(hidden_states.device),
-                self.run.trainer.logprob_chunk_tokens,
+                max(1, (self.run.trainer.logprob_chunk_mib << 20) // (4 * output_weight(self.model).shape[0])),
                 parallel_state.get_tensor_model_parallel_group(),
             )
             record["entropy"] = entropy_T

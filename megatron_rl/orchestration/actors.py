@@ -1,0 +1,110 @@
+"""Ray placement: trainer ranks as actors, one per device, driven together by `TrainerGroup`.
+
+    group = TrainerGroup(run)            # N actors (N = parallel.trainer_devices), one process group
+    await group.call("train_step", groups)   -> rank 0's result
+
+Every trainer collective (train step, weight gathering, checkpointing) needs all ranks at once, so
+`call` invokes the method on every actor and returns rank 0's answer. On a GPU cluster each actor holds
+one GPU (Ray places them on the Slurm-started cluster); on CPU each holds one core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import RunConfig, build
+
+
+class TrainerWorker:
+    """One trainer rank inside a Ray actor."""
+
+    def __init__(self, run: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
+        )
+        import torch
+
+        from megatron_rl.trainer.step import Trainer
+
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        self.run = build(RunConfig, run)
+        self.trainer = Trainer(self.run)
+        self.rank = rank
+        self.sender: Any = None
+
+    def ready(self) -> int:
+        return self.rank
+
+    def version(self) -> int:
+        return self.trainer.version
+
+    def load_hf(self, hf_dir: str) -> None:
+        """Start from a Hugging Face checkpoint (each rank loads its shard)."""
+        from megatron_rl.convert import load_hf_into_model
+
+        load_hf_into_model(self.trainer.model, self.run.model, Path(hf_dir))
+        self.trainer.optimizer.reload_model_params()
+
+    def train_step(self, groups: list[Any]) -> dict[str, float]:
+        return self.trainer.train_step(groups)
+
+    def save(self, root: str, run_state: dict[str, Any], keep_last: int) -> str:
+        from megatron_rl.trainer.checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self.trainer, Path(root), run_state, keep_last))
+
+    def load(self, path: str) -> dict[str, Any]:
+        from megatron_rl.trainer.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.trainer, Path(path))
+
+    def init_weight_sync(self, engine_urls: list[str], master_addr: str, master_port: int) -> None:
+        """Rank 0 joins a weight-update group with the engines (gloo on CPU, NCCL on GPUs)."""
+        if self.rank == 0:
+            from megatron_rl.sync import WeightSender
+
+            self.sender = WeightSender(engine_urls, master_addr, master_port, self.run.rollout)
+            self.sender.connect()
+
+    def push_weights(self) -> dict[str, float]:
+        """Gather the full weights under HF names (all ranks) and send them to the engines (rank 0)."""
+        from megatron_rl.trainer.weights import iter_hf_weights
+
+        buckets = iter_hf_weights(self.trainer.model, self.run.model, self.run.rollout.sync_bucket_mb << 20)
+        if self.rank != 0:
+            for _ in buckets:  # take part in the gathers
+                pass
+            return {}
+        return self.sender.send(buckets, version=self.trainer.version)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+class TrainerGroup:
+    def __init__(self, run: RunConfig, run_dict: dict[str, Any]) -> None:
+        import ray
+
+        from megatron_rl.trainer.distributed import free_port
+
+        world = run.parallel.trainer_devices
+        gpu = run.compute.device_kind == "gpu"
+        actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)(TrainerWorker)
+        addr = ray.util.get_node_ip_address()
+        port = free_port()
+        self.workers = [actor.remote(run_dict, rank, world, addr, port) for rank in range(world)]
+        ray.get([w.ready.remote() for w in self.workers])
+
+    async def call(self, method: str, *args: Any) -> Any:
+        results = await asyncio.gather(*(getattr(w, method).remote(*args) for w in self.workers))
+        return results[0]
+
+    def shutdown(self) -> None:
+        import ray
+
+        for worker in self.workers:
+            ray.kill(worker)

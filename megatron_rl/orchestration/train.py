@@ -1,0 +1,241 @@
+"""The ScaleRL driver: `megatron-rl train --recipe scalerl --model llama3_8b [overrides]`.
+
+The loop (SCALERL.md §4) reads as the algorithm:
+
+    every eval.every_steps:  validation mean@k on the held-out prompts (+ live scaling-curve fit)
+    groups  <- pipeline.next_batch(version)      G completions per prompt, rewarded, filtered, <= k stale
+    metrics <- trainers.train_step(groups)       one optimizer step on all trainer ranks; version += 1
+    push weights to the engines                  in flight (pipeline) or after k steps (ppo_off_policy)
+    log one row (metrics JSONL + wandb + console), checkpoint every N steps and on SIGTERM/SIGUSR1
+
+Generation never waits for the trainer in `pipeline` mode: the rollout producer runs on this event loop
+while the trainer ranks (Ray actors) train and sync. Everything the run needs to continue after a
+kill — trainer state, sampler and curriculum state, step, compute clock — is in the checkpoint; groups
+that were buffered or in flight are regenerated on resume (counted in `train/regenerated_groups`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.config import RunConfig, save_config
+from megatron_rl.data.datasets import Splits, load_splits
+
+POLICY_CACHE = Path.home() / ".cache" / "megatron_rl"
+
+
+def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -> Path:
+    """The Hugging Face directory RL starts from: `model.hf_path`, or a tiny model built here and warmed up
+    on the synthetic task's worked solutions (`trainer.warm_start_steps`)."""
+    from megatron_rl.data.synthetic import SOLUTIONS
+    from megatron_rl.data.tiny import build_tiny_model
+    from megatron_rl.orchestration.warmstart import warm_start
+
+    if run.model.hf_path:
+        path = Path(run.model.hf_path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.hf_path: {path} has no config.json")
+        return path
+    base = build_tiny_model(cache / f"{run.model.name}-seed{run.seed}", run.model, seed=run.seed)
+    if run.trainer.warm_start_steps == 0:
+        return base
+    dataset = run.data.datasets[0]
+    task = dataset.source.removeprefix("synthetic:")
+    if not dataset.source.startswith("synthetic:") or task not in SOLUTIONS:
+        raise ValueError(
+            f"trainer.warm_start_steps: the warm-up needs a synthetic task with worked solutions "
+            f"({sorted(SOLUTIONS)}); data.datasets[0].source is {dataset.source!r}"
+        )
+    prompts = splits.train[dataset.source]
+    out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}"
+    return warm_start(base, out, prompts, SOLUTIONS[task], steps=run.trainer.warm_start_steps, seed=run.seed)
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.signal: str | None = None
+        if enabled:
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.signal = signal.Signals(signum).name
+
+    def __bool__(self) -> bool:
+        return self.signal is not None
+
+
+def train(run: RunConfig) -> Path:
+    """Run (or resume) a ScaleRL training run; returns the run directory."""
+    return asyncio.run(_train(run))
+
+
+async def _train(run: RunConfig) -> Path:
+    import ray
+    from transformers import AutoTokenizer
+
+    from megatron_rl.algo.filters import NoPositiveResampling
+    from megatron_rl.data.sampler import CurriculumSampler
+    from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
+    from megatron_rl.orchestration.actors import TrainerGroup
+    from megatron_rl.orchestration.engines import EngineGroup
+    from megatron_rl.rewards.workers import RewardWorkers
+    from megatron_rl.rollout.interruption import InterruptionTokens
+    from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline, validate
+    from megatron_rl.trainer.checkpoint import latest_checkpoint
+
+    run_dir = Path(run.output_dir) / run.name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(run, run_dir / "config.yaml")
+    stop = StopFlag(run.checkpoint.save_on_signal)
+
+    splits = load_splits(run.data)
+    policy = prepare_policy(run, splits)
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
+    phrase = run.rollout.interruption.phrase
+    tokens = InterruptionTokens(
+        end_of_thinking=tokenizer.convert_tokens_to_ids(run.rollout.interruption.end_of_thinking),
+        eos=tokenizer.eos_token_id,
+        phrase=list(
+            tokenizer(phrase if phrase.startswith(" ") else " " + phrase, add_special_tokens=False)["input_ids"]
+        ),
+    )
+
+    if not ray.is_initialized():
+        ray.init(address="auto" if _ray_cluster() else None, include_dashboard=False, log_to_driver=True)
+    trainers = TrainerGroup(run, dataclasses.asdict(run))
+    engines = EngineGroup(run, policy, run_dir)
+    await engines.start()
+
+    sampler = CurriculumSampler(
+        splits.train,
+        {d.source: d.weight for d in run.data.datasets},
+        run.seed,
+        NoPositiveResampling(run.algo.no_positive_resampling),
+    )
+    checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
+    start_hours, regenerated = 0.0, 0
+    if checkpoint is not None:
+        state = await trainers.call("load", str(checkpoint))
+        sampler.load_state_dict(state["sampler"])
+        start_hours, regenerated = state["device_hours"], state.get("in_flight_groups", 0)
+        print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+    else:
+        await trainers.call("load_hf", str(policy))
+    step = await trainers.call("version")
+    await engines.connect_weight_sync(trainers)
+    if checkpoint is not None:
+        await engines.push_weights(trainers, step)
+
+    rewards = RewardWorkers(run.rewards, processes=2)
+    pipeline = RolloutPipeline(
+        run.rollout, run.algo, sampler, rewards, engines.generate, encoder, tokens, seed=run.seed + step
+    )
+    pipeline.version = step
+    devices = run.parallel.trainer_devices + (run.compute.generator_devices or engines.devices)
+    clock = ComputeClock(devices, start_hours)
+    header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
+    header.update(device_kind=run.compute.device_kind, devices=devices)
+    logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run))
+
+    async def validation() -> dict[str, float]:
+        result = await validate(
+            splits.val,
+            run.eval.samples_per_prompt,
+            engines.generate,
+            encoder,
+            run.rollout,
+            tokens,
+            rewards,
+            lambda: pipeline.version,
+            seed=run.seed,
+        )
+        if run.logging.live_scaling_fit:
+            result.update(_live_fit(read_metrics(logger.path), result, clock.device_hours))
+        return result
+
+    pipeline.start()
+    try:
+        while step < run.total_steps and not stop:
+            started = time.perf_counter()
+            row: dict[str, Any] = {}
+            if step % run.eval.every_steps == 0:
+                row.update(await validation())
+            groups, stats = await pipeline.next_batch(step)
+            row.update(stats.as_metrics())
+            if groups:
+                row.update(await trainers.call("train_step", groups))
+            else:
+                row["train/empty_batches"] = 1.0  # every group was filtered: no step, counted
+            step = await trainers.call("version")
+            if run.rollout.mode == "pipeline" or step % run.rollout.k == 0:
+                row.update(await engines.push_weights(trainers, step))
+                pipeline.version = step
+                if run.rollout.mode == "ppo_off_policy":
+                    pipeline.release_round()
+            row.update({"time/step_s": time.perf_counter() - started, "train/regenerated_groups": regenerated})
+            row.update(engines.metrics())
+            row["device_hours"] = clock.device_hours
+            logger.log(step, row)
+            if step % run.checkpoint.every_steps == 0 or stop or step == run.total_steps:
+                await _save(trainers, run, run_dir, step, sampler, clock, pipeline)
+        if step >= run.total_steps and not stop:
+            final = await validation()
+            logger.log(step, {**final, "device_hours": clock.device_hours})
+    finally:
+        await pipeline.close()
+        rewards.close()
+        logger.close()
+        await engines.stop()
+        trainers.shutdown()
+    if stop:
+        print(f"stopped by {stop.signal} at step {step}; checkpoint saved, resume with the same command", flush=True)
+    else:
+        _final_fit(logger.path, run_dir)
+    return run_dir
+
+
+async def _save(
+    trainers: Any, run: RunConfig, run_dir: Path, step: int, sampler: Any, clock: Any, pipeline: Any
+) -> None:
+    state = {
+        "step": step,
+        "sampler": sampler.state_dict(),
+        "device_hours": clock.device_hours,
+        "in_flight_groups": pipeline.buffer.qsize() + len(pipeline.tasks),
+    }
+    await trainers.call("save", str(run_dir / "checkpoints"), state, run.checkpoint.keep_last)
+
+
+def _ray_cluster() -> bool:
+    import os
+
+    return bool(os.environ.get("RAY_ADDRESS"))
+
+
+def _live_fit(rows: list[dict[str, Any]], latest: dict[str, float], device_hours: float) -> dict[str, float]:
+    """Predicted asymptote A (with its interval) from the validation points so far (scaling toolkit)."""
+    try:
+        from megatron_rl.scaling import live_prediction
+    except ImportError:
+        return {}
+    points = [r for r in rows if r.get("val/pass_rate") is not None]
+    points.append({"step": -1, "device_hours": device_hours, **latest})
+    return live_prediction(points)
+
+
+def _final_fit(metrics_path: Path, run_dir: Path) -> None:
+    """Print the fitted compute-performance curve of this run and write its plot."""
+    try:
+        from megatron_rl.scaling.cli import main as fit_main
+    except ImportError:
+        return
+    fit_main([str(metrics_path), "--plot", str(run_dir / "scaling_curve.png")])
