@@ -50,9 +50,24 @@ def main(spec: dict) -> None:
     torch.set_num_threads(1)
     run = load_config(spec.get("recipe", "scalerl-cpu"), spec["model"], spec.get("overrides", []))
     trainer = Trainer(run)
+    if spec.get("hf"):
+        from pathlib import Path
+
+        from megatron_rl.convert import load_hf_into_model
+
+        load_hf_into_model(trainer.model, run.model, Path(spec["hf"]))
+        trainer.optimizer.reload_model_params()
     if spec.get("load"):
         load_checkpoint(trainer, spec["load"], model_only=spec.get("model_only", False))
-    batch = fixed_batch()
+    batch = fixed_batch(vocab=run.model.vocab_size)
+    if spec.get("dump_hf"):
+        from megatron_rl.trainer.weights import iter_hf_weights
+
+        exported = {
+            name: t.clone() for bucket in iter_hf_weights(trainer.model, run.model, 1 << 16) for name, t in bucket
+        }
+        if torch.distributed.get_rank() == 0:
+            torch.save(exported, spec["dump_hf"])
     result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": []}
     if spec.get("dump_state"):
         state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
