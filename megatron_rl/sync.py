@@ -1,182 +1,286 @@
 """Trainer -> engines weight transfer, in flight (SCALERL.md §4, DESIGN.md "weight sync").
 
-    sender = WeightSender(engine_urls, master_addr, master_port, rollout_cfg, engine_tp=1)
+    sender = WeightSender(engine_urls, master_addr, master_port, rollout_cfg)
     sender.connect()                                   # once: a process group with every engine
     stats = sender.send(buckets, version=step)         # buckets of (HF name, full tensor)
+    sender.close()
 
-`distributed` (default): trainer rank 0 and every engine rank form one process group (NCCL on GPUs,
-gloo on CPU; the trainer is rank 0, engine i's ranks follow). For each bucket the trainer tells each
-engine the names, dtypes and shapes over HTTP (`/update_weights_from_distributed`) and broadcasts the
-tensors in that order; engines keep generating between buckets and running sequences keep their KV
-cache (PipelineRL's in-flight update). `/begin_weight_update` and `/end_weight_update` bracket the
-transfer (SGLang >= 0.5.23), and the last bucket sets the new weight version, which SGLang stamps on
-every token generated after it. `disk`: the weights are written as safetensors and loaded with
-`/update_weights_from_disk` (the fallback when no process group can be formed).
+One update, for both transports:
+1. `/pause_generation` on every engine (mode `in_place` by default: running sequences stop between two
+   forward passes and keep their KV cache; PipelineRL's in-flight update. `retract` sends them back to
+   the queue instead and flushes the prefix cache after the update, so every token after the update is
+   computed from the new weights only, at the cost of recomputing the running sequences' prompts).
+2. `distributed` (default): `/begin_weight_update`, then per bucket `/update_weights_from_distributed`
+   with the bucket's names, dtypes and shapes while the trainer, rank 0 of a process group that holds
+   every engine rank (NCCL on GPUs, gloo on CPU), broadcasts the bucket as one flat byte tensor
+   (SGLang's `flattened_bucket` format: one collective per bucket instead of one per tensor); the last
+   bucket carries the new weight version; then `/end_weight_update` (SGLang >= 0.5.23 rejects updates
+   outside that bracket). `disk`: the weights are written as safetensors to `disk_dir` (which every
+   engine must see) and loaded with `/update_weights_from_disk`.
+3. `/continue_generation`. SGLang stamps every token generated after the update with the new version.
 
-The process group helper follows the technique SGLang, verl and slime use for the same purpose (a
-rendezvous store with a group-name prefix and torch's `_new_process_group_helper`), written here so
-the trainer does not import SGLang.
+A failure while weights are being sent raises SyncError and leaves the engines paused with partly
+updated weights (resuming would generate from a mix of two policies); the caller restarts them or sends
+again.
+
+The process group outside torch's default group uses the same construction as SGLang's engine side
+(`sglang.srt.utils.common.init_custom_process_group`) and slime's trainer side
+(`slime/utils/distributed_utils.py::init_process_group`): a TCP rendezvous, a store prefixed with the group
+name, and torch's `_new_process_group_helper`. The store layout has to match SGLang's for the ranks to
+meet, which is why we build it the same way rather than constructing `ProcessGroupGloo` by hand.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import contextlib
-import json
+import shutil
 import tempfile
+import threading
 import time
-import urllib.request
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable, Iterator
+from concurrent.futures import Future
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RolloutConfig
+from megatron_rl.rollout.sglang import EngineError, SGLangClient
 
 GROUP_NAME = "megatron_rl_weight_sync"
+T = TypeVar("T")
 
 
 class SyncError(RuntimeError):
-    pass
+    """A weight update did not reach every engine."""
 
 
-def _post(url: str, payload: dict[str, Any], timeout_s: float = 600.0) -> dict[str, Any]:
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            body = response.read()
-    except Exception as exc:  # urllib raises several types; all mean the engine did not take the update
-        raise SyncError(f"{url}: {type(exc).__name__}: {exc}") from exc
-    return json.loads(body) if body else {}
+def new_process_group(
+    backend: str, addr: str, port: int, world_size: int, rank: int, group_name: str, timeout_s: float = 600.0
+) -> Any:
+    """A process group beside torch's default one (which the trainer keeps for itself, or lacks).
 
-
-def _check(url: str, out: dict[str, Any]) -> None:
-    if out.get("success") is False:
-        raise SyncError(f"{url}: {out.get('message')}")
-
-
-def new_process_group(backend: str, addr: str, port: int, world_size: int, rank: int, group_name: str) -> Any:
-    """A process group outside the default one (the trainer's own group stays untouched)."""
+    Rank 0 hosts the rendezvous store at `addr:port`; the other ranks connect to it. Keys live under
+    `group_name`, as in SGLang's `init_custom_process_group`, so an engine that joins with the same name
+    meets this rank.
+    """
     from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
 
-    timeout = timedelta(minutes=10)
+    timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(f"tcp://{addr}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
+    prefixed = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
-        world_size,
-        rank,
-        [],
-        dist.Backend(backend),
-        PrefixStore(group_name, store),
-        group_name=group_name,
-        timeout=timeout,
+        world_size, rank, [], dist.Backend(backend), prefixed, group_name=group_name, timeout=timeout
     )
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == rank in this group
     return group
 
 
-class WeightSender:
-    def __init__(
-        self, engine_urls: list[str], master_addr: str, master_port: int, cfg: RolloutConfig, engine_tp: int = 1
-    ) -> None:
-        self.urls, self.addr, self.port, self.cfg, self.engine_tp = (
-            engine_urls,
-            master_addr,
-            master_port,
-            cfg,
-            engine_tp,
-        )
-        self.group: Any = None
-        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.pool = concurrent.futures.ThreadPoolExecutor(max(1, len(engine_urls)))
+def make_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list]:
+    """Group (name, tensor) pairs in order into lists of at most `bucket_bytes` (a larger tensor goes alone)."""
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, tensor in named_tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
 
-    def _all(self, path: str, payloads: list[dict[str, Any]] | dict[str, Any]) -> list[concurrent.futures.Future]:
-        if isinstance(payloads, dict):
-            payloads = [payloads] * len(self.urls)
-        return [self.pool.submit(_post, f"{url}{path}", p) for url, p in zip(self.urls, payloads, strict=True)]
+
+def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[str, torch.Tensor]], torch.Tensor]:
+    """The bucket in sending order and its bytes back to back (SGLang's `flattened_bucket` layout).
+
+    Wider dtypes go first so that every tensor starts at a multiple of its own element size, which the
+    receiver checks before viewing the bytes as that dtype.
+    """
+    ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: keeps order within a dtype
+    flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in ordered])
+    return ordered, flat
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+class WeightSender:
+    """Trainer rank 0's side of weight sync to a set of SGLang engines (see the module docstring)."""
+
+    def __init__(
+        self,
+        engine_urls: list[str],
+        master_addr: str,
+        master_port: int,
+        cfg: RolloutConfig,
+        engine_tp: int | None = None,
+        *,
+        pause_mode: Literal["in_place", "retract"] = "in_place",
+        group_name: str = GROUP_NAME,
+        disk_dir: str | Path | None = None,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not engine_urls:
+            raise ValueError("WeightSender needs at least one engine URL")
+        self.urls, self.addr, self.port, self.cfg = list(engine_urls), master_addr, master_port, cfg
+        self.engine_tp = engine_tp or cfg.engine.tp
+        self.pause_mode, self.group_name, self.timeout_s = pause_mode, group_name, timeout_s
+        self.disk_dir = Path(disk_dir) if disk_dir is not None else None
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.group: Any = None
+        # The engine calls run on a private event loop in a thread: the HTTP request that makes an
+        # engine receive a bucket must be in flight while this thread blocks in the broadcast.
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sync-http", daemon=True)
+        self._thread.start()
+        self.clients = [SGLangClient(url, timeout_s=timeout_s, tp=self.engine_tp) for url in self.urls]
+
+    # --- helpers ------------------------------------------------------------------------------------
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def _submit_all(self, call: str, *args: Any, **kwargs: Any) -> Future[list[Any]]:
+        async def everyone() -> list[Any]:
+            return await asyncio.gather(*(getattr(c, call)(*args, **kwargs) for c in self.clients))
+
+        return self._submit(everyone())
+
+    def _wait(self, future: Future[T], what: str) -> T:
+        try:
+            return future.result(timeout=self.timeout_s)
+        except EngineError as exc:
+            raise SyncError(f"{what}: {exc}") from exc
+        except TimeoutError as exc:
+            raise SyncError(f"{what}: no answer within {self.timeout_s:.0f} s") from exc
+
+    def _all(self, call: str, *args: Any, **kwargs: Any) -> list[Any]:
+        return self._wait(self._submit_all(call, *args, **kwargs), call)
+
+    # --- API ----------------------------------------------------------------------------------------
 
     def connect(self) -> None:
+        """Form the process group with every engine (distributed transport; nothing to do for disk)."""
         if self.cfg.weight_sync != "distributed":
             return
-        world = 1 + self.engine_tp * len(self.urls)
-        payloads = [
-            {
-                "master_address": self.addr,
-                "master_port": self.port,
-                "rank_offset": 1 + i * self.engine_tp,
-                "world_size": world,
-                "group_name": GROUP_NAME,
-                "backend": self.backend,
-            }
-            for i in range(len(self.urls))
-        ]
-        futures = self._all("/init_weights_update_group", payloads)  # engines join while we create ours
-        self.group = new_process_group(self.backend, self.addr, self.port, world, 0, GROUP_NAME)
-        for url, future in zip(self.urls, futures, strict=True):
-            _check(url, future.result())
+        if self.group is not None:
+            raise RuntimeError("WeightSender.connect(): already connected; close() first")
+        world = 1 + self.engine_tp * len(self.clients)
+
+        async def join() -> None:
+            await asyncio.gather(
+                *(
+                    c.init_weights_update_group(
+                        self.addr, self.port, 1 + i * self.engine_tp, world, self.group_name, self.backend
+                    )
+                    for i, c in enumerate(self.clients)
+                )
+            )
+
+        joined = self._submit(join())  # the engines wait in the rendezvous for rank 0, created next
+        try:
+            self.group = new_process_group(
+                self.backend, self.addr, self.port, world, 0, self.group_name, self.timeout_s
+            )
+        except Exception as exc:  # torch raises RuntimeError/DistStoreError/...; say which group failed
+            raise SyncError(f"weight-sync group {self.group_name} at {self.addr}:{self.port}: {exc}") from exc
+        self._wait(joined, "init_weights_update_group")
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
-        """Send every bucket, then set the engines' weight version; returns sync/* metrics."""
+        """Pause the engines, send every bucket, set `version`, resume; returns sync/* metrics."""
+        if self.cfg.weight_sync == "distributed" and self.group is None:
+            raise RuntimeError("WeightSender.send(): connect() first")
         started = time.perf_counter()
-        total_bytes = 0
-        if self.cfg.weight_sync == "disk":
-            total_bytes = self._send_disk(buckets, version)
-        else:
-            for url, f in zip(self.urls, self._all("/begin_weight_update", {}), strict=True):
-                _check(url, f.result())
-            pending: list[tuple[str, torch.Tensor]] | None = None
-            for bucket in buckets:
-                if pending is not None:
-                    total_bytes += self._broadcast(pending, version=None)
-                pending = bucket
-            if pending is not None:
-                total_bytes += self._broadcast(pending, version=version)
-            for url, f in zip(self.urls, self._all("/end_weight_update", {}), strict=True):
-                _check(url, f.result())
+        stream = (bucket for bucket in buckets if bucket)
+        first = next(stream, None)  # made (e.g. gathered) before the engines pause
+        if first is None:
+            raise ValueError("WeightSender.send(): no weights to send")
+        self._all("pause", self.pause_mode)
+        paused = time.perf_counter()
+        try:
+            if self.cfg.weight_sync == "disk":
+                total, count = self._send_disk([first, *stream], version), 1
+            else:
+                total, count = self._send_distributed(first, stream, version)
+            if self.pause_mode == "retract" and not all(self._all("flush_cache")):
+                raise SyncError("flush_cache refused after a retracting pause (requests still running)")
+        except Exception as exc:
+            raise SyncError(
+                f"weight update to version {version} failed; the engines stay paused with partly updated weights: {exc}"
+            ) from exc
+        self._all("resume")
         seconds = time.perf_counter() - started
-        return {"sync/seconds": seconds, "sync/bytes": float(total_bytes), "sync/gb_per_s": total_bytes / 1e9 / seconds}
+        return {
+            "sync/seconds": seconds,
+            "sync/paused_seconds": time.perf_counter() - paused,
+            "sync/bytes": float(total),
+            "sync/buckets": float(count),
+            "sync/gb_per_s": total / 1e9 / seconds,
+        }
+
+    def _send_distributed(
+        self, first: list[tuple[str, torch.Tensor]], rest: Iterator[list[tuple[str, torch.Tensor]]], version: int
+    ) -> tuple[int, int]:
+        self._all("begin_weight_update")
+        total, count = 0, 0
+        pending = first
+        for bucket in rest:  # one bucket of lookahead: the last one carries the new version
+            total += self._broadcast(pending, version=None)
+            count += 1
+            pending = bucket
+        total += self._broadcast(pending, version=version)
+        self._all("end_weight_update")
+        return total, count + 1
 
     def _broadcast(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> int:
-        payload: dict[str, Any] = {
-            "names": [name for name, _ in bucket],
-            "dtypes": [str(t.dtype).removeprefix("torch.") for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
-            "group_name": GROUP_NAME,
-            "flush_cache": False,  # running sequences keep their KV cache (in-flight update)
-        }
-        if version is not None:
-            payload["weight_version"] = str(version)
-        futures = self._all("/update_weights_from_distributed", payload)
-        size = 0
-        for _, tensor in bucket:
-            tensor = tensor.contiguous()
-            dist.broadcast(tensor, src=0, group=self.group)
-            size += tensor.numel() * tensor.element_size()
-        for url, f in zip(self.urls, futures, strict=True):
-            _check(url, f.result())
-        return size
+        ordered, flat = flatten_bucket(bucket)
+        received = self._submit_all(
+            "update_weights_from_distributed",
+            names=[name for name, _ in ordered],
+            dtypes=[_dtype_name(t) for _, t in ordered],
+            shapes=[list(t.shape) for _, t in ordered],
+            group_name=self.group_name,
+            version=version,
+            flattened=True,
+        )
+        dist.broadcast(flat, src=0, group=self.group)
+        self._wait(received, "update_weights_from_distributed")
+        return flat.numel()
 
-    def _send_disk(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> int:
+    def _send_disk(self, buckets: list[list[tuple[str, torch.Tensor]]], version: int) -> int:
         from safetensors.torch import save_file
 
-        with tempfile.TemporaryDirectory(prefix="megatron_rl_sync_") as tmp:
-            tensors = {name: t.contiguous() for bucket in buckets for name, t in bucket}
-            save_file(tensors, str(Path(tmp) / "model.safetensors"))
-            payload = {"model_path": tmp, "weight_version": str(version), "flush_cache": False, "load_format": "auto"}
-            for url, f in zip(self.urls, self._all("/update_weights_from_disk", payload), strict=True):
-                _check(url, f.result())
-            return sum(t.numel() * t.element_size() for t in tensors.values())
+        tensors = {name: t.detach().contiguous().cpu() for bucket in buckets for name, t in bucket}
+        if self.disk_dir is not None:
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
+        directory = Path(tempfile.mkdtemp(prefix=f"weights_v{version}_", dir=self.disk_dir))
+        try:
+            save_file(tensors, str(directory / "model.safetensors"))
+            self._all("update_weights_from_disk", str(directory), version)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def close(self) -> None:
+        """Leave the process group (engines first) and stop the HTTP thread."""
         if self.group is not None:
-            for future in self._all("/destroy_weights_update_group", {"group_name": GROUP_NAME}):
-                with contextlib.suppress(SyncError):  # an engine that is already gone
-                    future.result()
+            destroyed = self._submit_all("destroy_weights_update_group", self.group_name)
+            with contextlib.suppress(EngineError, TimeoutError):  # a dead engine has no group left to destroy
+                destroyed.result(timeout=60)
             dist.destroy_process_group(self.group)
             self.group = None
-        self.pool.shutdown(wait=False)
+        if self._loop.is_running():
+
+            async def close_clients() -> None:
+                await asyncio.gather(*(c.close() for c in self.clients))
+
+            self._submit(close_clients()).result(timeout=30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._loop.close()
