@@ -163,18 +163,21 @@ async def _train(run: RunConfig) -> Path:
         return result
 
     pipeline.start()
+    validated, empty_batches = -1, 0
     try:
         while step < run.total_steps and not stop:
             started = time.perf_counter()
             row: dict[str, Any] = {}
-            if step % run.eval.every_steps == 0:
+            if step % run.eval.every_steps == 0 and validated != step:
                 row.update(await validation())
+                validated = step
             groups, stats = await pipeline.next_batch(step)
             row.update(stats.as_metrics())
             if groups:
                 row.update(await trainers.call("train_step", groups))
-            else:
-                row["train/empty_batches"] = 1.0  # every group was filtered: no step, counted
+            else:  # every group was zero-variance: no optimizer step this round (logged, counted)
+                empty_batches += 1
+            row["train/empty_batches"] = float(empty_batches)
             step = await trainers.call("version")
             if run.rollout.mode == "pipeline" or step % run.rollout.k == 0:
                 row.update(await engines.push_weights(trainers, step))
