@@ -1,10 +1,12 @@
-"""`megatron-rl fit`: fit, predict and compare scaling curves from metrics files.
+"""`megatron-rl fit`: fit, predict and compare sigmoidal compute-performance curves from training runs.
 
 megatron-rl fit runs/*/metrics.jsonl --fit-start 1500 --predict-at 100000 --plot out.png
-megatron-rl fit a.jsonl b.jsonl --compare                       # the paper's A-margin rule
-megatron-rl fit export.csv --compute-col gpu_hours --metric val/pass_rate
-megatron-rl fit run.jsonl --extrapolate-from 50000              # fit up to 50k, predict the rest
-megatron-rl fit name=path.jsonl ...                             # label runs on the command line
+megatron-rl fit a.jsonl b.jsonl --compare                  recipes: the paper's shared-A rule, then B
+megatron-rl fit run.jsonl --extrapolate-from 50000         fit up to 50k, predict the rest (or: half)
+megatron-rl fit 512=b512.jsonl 2048=b2048.jsonl --axis batch       label runs on the command line
+megatron-rl fit runs/*/metrics.jsonl --axis rollout.generations_per_prompt   label from header/config.yaml
+megatron-rl fit run.jsonl --metric 'val/pass_rate/*'       one curve per task
+megatron-rl fit export.csv --compute-col gpu_hours --metric val/pass_rate   a wandb CSV export
 """
 
 from __future__ import annotations
@@ -13,69 +15,182 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
-from megatron_rl.scaling.compare import fit_all, shared_asymptote, table
-from megatron_rl.scaling.curves import load_curve
-from megatron_rl.scaling.fit import FitError, extrapolation_check
+from megatron_rl.scaling.compare import (
+    Result,
+    extrapolation_table,
+    fit_run,
+    shared_asymptote,
+    shared_table,
+    table,
+)
+from megatron_rl.scaling.curves import Curve, label_for, load_curves, sort_key
+from megatron_rl.scaling.fit import METHODS, PAPER_A_GRID, PAPER_C_MID_GRID, FitError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megatron-rl fit", description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", help="metrics JSONL or CSV files, optionally as label=path")
+    p = argparse.ArgumentParser(
+        prog="megatron-rl fit",
+        description="Fit R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) to training curves (SCALERL.md §1).",
+        epilog=__doc__.split("\n", 2)[2],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN", help="metrics JSONL or CSV (or a run directory), or label=path")
     p.add_argument("--fit-start", type=float, default=0.0, help="warm-up cut in compute units (paper: 1500)")
-    p.add_argument("--predict-at", type=float, default=None, help="report R (with interval) at this compute")
-    p.add_argument("--plot", default=None, help="write the figure here (.png or .svg)")
-    p.add_argument("--method", choices=["fast", "paper"], default="fast")
-    p.add_argument("--bootstrap", type=int, default=1000, help="bootstrap refits for intervals (0 = none)")
-    p.add_argument("--compute-col", default="device_hours")
-    p.add_argument("--metric", default="val/pass_rate", help="e.g. val/pass_rate/math for one task's curve")
-    p.add_argument("--r0", type=float, default=None, help="R0 (default: the lowest-compute point)")
-    p.add_argument("--compare", action="store_true", help="refit with a shared A when A's are within --margin")
-    p.add_argument("--margin", type=float, default=0.02)
-    p.add_argument("--extrapolate-from", type=float, default=None, help="fit up to this compute, predict the rest")
-    p.add_argument("--json", default=None, help="also write the fitted parameters as JSON here")
+    p.add_argument("--predict-at", type=float, nargs="+", default=[], metavar="C", help="predict R here (+ interval)")
+    p.add_argument("--plot", default=None, metavar="OUT", help="write the figure (.png; .svg also writes a .png)")
+    p.add_argument("--title", default=None, help="plot title")
+    p.add_argument("--no-efficiency", action="store_true", help="plot without the efficiency panel")
+    p.add_argument("--method", choices=METHODS, default="fast", help="fast (default) or the paper's grid")
+    p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap refits (0: no intervals)")
+    p.add_argument("--level", type=float, default=0.9, help="interval coverage (default 0.9)")
+    p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
+    p.add_argument("--compute-col", default="device_hours", help="compute column (default device_hours)")
+    p.add_argument("--compute-scale", type=float, default=1.0, help="multiply the compute column by this")
+    p.add_argument("--metric", default="val/pass_rate", help="performance column; 'val/pass_rate/*': one per task")
+    p.add_argument("--step-col", default="step", help="step column (duplicate steps: the last row wins)")
+    p.add_argument("--r0", type=float, default=None, help="R0 (default: the first evaluation of each run)")
+    p.add_argument("--compare", action="store_true", help="the paper's rule: shared A within --margin, compare B")
+    p.add_argument("--margin", type=float, default=0.02, help="A's closer than this are the same (paper: 0.02)")
+    p.add_argument(
+        "--extrapolate-from", default=None, metavar="C|half", help="fit up to compute C (or half of each run)"
+    )
+    p.add_argument("--axis", default=None, metavar="KEY", help="scaling axis: label runs by this header/config key")
+    p.add_argument("--json", default=None, metavar="OUT", help="write every number printed as JSON here")
     return p
+
+
+def _resolve_run(spec: str) -> tuple[str | None, Path]:
+    label, sep, rest = spec.partition("=")
+    path = Path(spec)
+    if sep and not path.exists():
+        path = Path(rest)
+    else:
+        label = ""
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    return label or None, path
+
+
+def _load(args: argparse.Namespace) -> list[Curve]:
+    curves: list[Curve] = []
+    for spec in args.runs:
+        label, path = _resolve_run(spec)
+        loaded = load_curves(path, args.compute_col, args.metric, label, args.step_col, args.compute_scale)
+        if args.axis and label is None:
+            for curve in loaded:
+                value = label_for(curve, args.axis)
+                curve.label = value if len(loaded) == 1 else f"{value} {curve.label.rsplit(' ', 1)[-1]}"
+        curves += loaded
+    labels = [c.label for c in curves]
+    duplicated = sorted({x for x in labels if labels.count(x) > 1})
+    if duplicated:
+        raise FitError(f"runs share the labels {duplicated}: name them on the command line (label=path)")
+    if args.axis:
+        curves.sort(key=lambda c: sort_key(c.label))
+    return curves
+
+
+def _progress(total: int, desc: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="fit", leave=False, disable=None, file=sys.stderr)
+
+
+def _fit(curves: list[Curve], args: argparse.Namespace) -> list[Result]:
+    results = []
+    grid_size = len(PAPER_A_GRID) * len(PAPER_C_MID_GRID)
+    total = len(curves) * (grid_size if args.method == "paper" else 1)
+    with _progress(total, f"fitting ({args.method})") as bar:
+        for curve in curves:
+            bar.set_postfix_str(curve.label)
+            cut = args.extrapolate_from
+            if cut == "half":
+                cut = float(curve.compute.max()) / 2
+            elif cut is not None:
+                cut = float(cut)
+            result = fit_run(
+                curve,
+                fit_start=args.fit_start,
+                method=args.method,
+                n_boot=args.bootstrap,
+                level=args.level,
+                R0=args.r0,
+                extrapolate_from=cut,
+                seed=args.seed,
+                grid_progress=bar.update if args.method == "paper" else None,
+            )
+            if args.method != "paper":
+                bar.update(1)
+            results.append(result)
+    return results
+
+
+def _payload(results: list[Result], args: argparse.Namespace, shared: list) -> dict[str, Any]:
+    runs = {}
+    for r in results:
+        entry: dict[str, Any] = {"source": r.curve.source, "metric": r.curve.metric, **r.fit.as_dict()}
+        if r.boot is not None:
+            entry["level"] = r.boot.level
+            entry.update(r.boot.as_dict())
+        entry["predictions"] = []
+        for c in args.predict_at:
+            value, lo, hi = r.prediction(c)
+            entry["predictions"].append({"compute": c, "R": value, "lo": lo, "hi": hi})
+        if r.extrapolation is not None:
+            entry["extrapolation"] = r.extrapolation.as_dict()
+        runs[r.curve.label] = entry
+    groups = []
+    for g in shared:
+        refits = {r.curve.label: {"B": f.B, "C_mid": f.C_mid} for r, f in zip(g.results, g.refits, strict=True)}
+        groups.append({"A": g.A, "runs": refits})
+    return {"axis": args.axis, "fit_start": args.fit_start, "method": args.method, "runs": runs, "shared_A": groups}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.extrapolate_from not in (None, "half"):
+        try:
+            float(args.extrapolate_from)
+        except ValueError:
+            message = f"--extrapolate-from must be a compute or 'half', got {args.extrapolate_from!r}"
+            print(f"megatron-rl fit: {message}", file=sys.stderr)
+            return 2
     try:
-        curves = []
-        for spec in args.runs:
-            label, _, path = spec.rpartition("=") if "=" in spec and not Path(spec).exists() else ("", "", spec)
-            curves.append(load_curve(path, args.compute_col, args.metric, label or None))
-        results = fit_all(curves, args.fit_start, args.method, args.bootstrap, args.r0)
+        curves = _load(args)
+        results = _fit(curves, args)
+        shared = shared_asymptote(results, args.margin, n_boot=args.bootstrap, level=args.level) if args.compare else []
     except FitError as exc:
         print(f"megatron-rl fit: {exc}", file=sys.stderr)
         return 2
-    print(table(results, args.predict_at))
+    print(table(results, args.predict_at, args.axis))
     if args.compare:
-        shared = shared_asymptote(results, args.margin)
-        if shared is None:
-            print(f"A's differ by more than {args.margin}: compare the asymptotes (A) directly")
-        else:
-            mean_A, refits = shared
-            print(f"A's within {args.margin}: refit with shared A={mean_A:.3f}; compare efficiency B:")
-            for r, f in zip(results, refits, strict=True):
-                print(f"  {r.curve.label:<28} B={f.B:.3f}  C_mid={f.C_mid:.4g}")
+        print()
+        print(shared_table(shared, args.margin))
     if args.extrapolate_from is not None:
-        for r in results:
-            try:
-                e = extrapolation_check(r.curve.compute, r.curve.R, args.extrapolate_from, args.fit_start, args.r0)
-            except FitError as exc:
-                print(f"{r.curve.label}: extrapolation check: {exc}")
-                continue
-            print(
-                f"{r.curve.label}: fit to {e.cut:g}, predict {e.last_compute:g}: {e.predicted:.3f} "
-                f"[{e.interval[0]:.3f}, {e.interval[1]:.3f}] vs observed {e.last_observed:.3f} (error {e.error:+.3f})"
-            )
+        print()
+        print(extrapolation_table(results))
     if args.plot:
         from megatron_rl.scaling.plot import plot_results
 
-        print(f"wrote {plot_results(results, args.plot, args.predict_at)}")
+        ylabel = "validation pass rate" if args.metric == "val/pass_rate" else args.metric
+        title = args.title or (f"scaling axis: {args.axis}" if args.axis else None)
+        written = plot_results(
+            results,
+            args.plot,
+            args.predict_at,
+            title=title,
+            ylabel=ylabel,
+            xlabel=f"compute ({args.compute_col})" if args.compute_col != "device_hours" else "compute (device-hours)",
+            efficiency=not args.no_efficiency,
+            ordered=args.axis is not None,
+            efficiency_fits={r.curve.label: f for g in shared for r, f in zip(g.results, g.refits, strict=True)},
+        )
+        print("wrote " + ", ".join(map(str, written)))
     if args.json:
-        payload = {r.curve.label: r.fit.as_dict() for r in results}
-        Path(args.json).write_text(json.dumps(payload, indent=2))
+        Path(args.json).write_text(json.dumps(_payload(results, args, shared), indent=2))
+        print(f"wrote {args.json}")
     return 0
 
 

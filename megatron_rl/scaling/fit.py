@@ -1,40 +1,65 @@
-"""Fitting the sigmoidal compute-performance law of SCALERL.md §1, with bootstrap uncertainty.
+"""Fitting the sigmoidal compute-performance law of SCALERL.md §1.
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
 
-Two procedures:
+R0 is measured (the first validation point, before any training) and not fitted. Points at or below the
+warm-up cut `fit_start` (paper: 1.5k GPU-hours) are dropped. Two procedures minimise the same squared
+error over the remaining points:
 
-- `paper`: the paper's grid over A in [0.45, 0.80] (step 0.005) and C_mid over 100 evenly spaced values
-  in [100, 40000], scipy `curve_fit` for B at each grid point, least squared error wins. Faithful and
-  slow (7,100 small fits), and blind to curves outside its grid.
-- `fast` (default, ours): a vectorised coarse grid over (A, log C_mid, log B) with bounds taken from the
-  data, then one bounded joint least-squares fit (scipy `least_squares`, trust region) started from the
-  best grid point. Same objective, no grid quantisation, ~1,000x faster.
+- `paper`: the paper's grid, A in [0.45, 0.80] step 0.005 and C_mid at 100 evenly spaced values in
+  [100, 40000], with scipy `curve_fit` for B at each of the 7,100 grid points; the least squared error
+  wins. Faithful, slow, quantised to the grid and blind to curves outside it.
+- `fast` (default, ours): a vectorised coarse grid over (A, log C_mid, log B) whose bounds come from the
+  data, then Levenberg-Marquardt from the best few grid points at once (`levenberg_marquardt`, batched
+  over starting points and, in bootstrap.py, over resampled curves). No grid quantisation; ~100x faster.
 
-`bootstrap` refits residual-resampled curves (the fitted curve plus residuals drawn with replacement)
-from the point estimate and gives percentile intervals for A, B, C_mid and for R at any compute.
+C_mid and B are fitted as logarithms: both are positive and scale-like, and the squared error is much
+closer to quadratic in log C_mid than in C_mid.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy.optimize import curve_fit, least_squares
+from scipy.optimize import curve_fit
+from scipy.special import expit
 
 Array = NDArray[np.float64]
 
+METHODS = ("fast", "paper")
+PAPER_A_GRID = np.round(np.arange(0.45, 0.80 + 1e-9, 0.005), 3)
+PAPER_C_MID_GRID = np.linspace(100.0, 40000.0, 100)
+MIN_POINTS = 4
+"""Fewest points after the cut that a fit accepts (3 parameters + 1)."""
+B_BOUNDS = (0.05, 20.0)
+C_MID_MARGIN = 100.0
+"""C_mid may lie this factor below the first or above the last fitted compute (beyond: degenerate)."""
+
 
 class FitError(ValueError):
-    """The data cannot be fitted (too few points after the cut, non-finite values, ...)."""
+    """The data cannot be fitted: too few points after the cut, non-finite values, a missing column..."""
 
 
-def sigmoid(compute: ArrayLike, A: float, B: float, C_mid: float, R0: float) -> Array:
+def sigmoid(compute: ArrayLike, A: ArrayLike, B: ArrayLike, C_mid: ArrayLike, R0: float) -> Array:
+    """R(C); broadcasts, so [n, 1] parameters against [m] compute give n curves."""
     c = np.asarray(compute, dtype=np.float64)
-    return R0 + (A - R0) / (1.0 + (C_mid / c) ** B)
+    with np.errstate(divide="ignore"):  # C = 0 gives (C_mid / 0)^B = inf, i.e. R0
+        z = np.asarray(B) * (np.log(c) - np.log(C_mid))
+    return R0 + (np.asarray(A) - R0) * expit(z)
+
+
+@dataclass
+class Points:
+    """The validated points a fit uses: compute above the cut, R, and R0."""
+
+    compute: Array
+    R: Array
+    R0: float
 
 
 @dataclass
@@ -48,18 +73,26 @@ class Fit:
     n_points: int
     fit_start: float
     method: str
+    A_bounds: tuple[float, float] = (0.0, 1.0)
+    """The interval A was searched in (bootstrap refits keep it)."""
     warnings: list[str] = field(default_factory=list)
+    """Why the fit may not be trusted: A at a bound, B huge, C_mid far outside the data, R0 not at step 0."""
+    points: Points | None = field(default=None, repr=False, compare=False)
+    """The points it was fitted to (what `bootstrap` resamples)."""
 
     def predict(self, compute: ArrayLike) -> Array:
         return sigmoid(compute, self.A, self.B, self.C_mid, self.R0)
 
     def efficiency(self, R: ArrayLike) -> Array:
-        """F(R) = C_mid^B / ((A - R0)/(R - R0) - 1), which equals C^B on the curve (log-log slope B)."""
+        """F(R) = C_mid^B / ((A - R0)/(R - R0) - 1), equal to C^B on the curve: log F vs log C has slope B.
+        Defined for R between R0 and A (nan elsewhere)."""
         r = np.asarray(R, dtype=np.float64)
+        inside = (r - self.R0) * (self.A - r) > 0
         with np.errstate(divide="ignore", invalid="ignore"):
-            return self.C_mid**self.B / ((self.A - self.R0) / (r - self.R0) - 1.0)
+            f = self.C_mid**self.B / ((self.A - self.R0) / (r - self.R0) - 1.0)
+        return np.where(inside, f, np.nan)
 
-    def as_dict(self) -> dict[str, float | int | str]:
+    def as_dict(self) -> dict[str, float | int | str | list[str]]:
         return {
             "A": self.A,
             "B": self.B,
@@ -69,90 +102,187 @@ class Fit:
             "n_points": self.n_points,
             "fit_start": self.fit_start,
             "method": self.method,
+            "warnings": list(self.warnings),
         }
 
 
-def prepare(compute: ArrayLike, R: ArrayLike, R0: float | None, fit_start: float) -> tuple[Array, Array, float]:
-    """Validated fitting points (compute > max(0, fit_start)) and R0 (given, or the lowest-compute point)."""
+def prepare(compute: ArrayLike, R: ArrayLike, R0: float | None = None, fit_start: float = 0.0) -> Points:
+    """Validate the curve and cut it. Without `R0`, the lowest-compute point is R0 and is not fitted."""
     c = np.asarray(compute, dtype=np.float64)
     r = np.asarray(R, dtype=np.float64)
-    if c.shape != r.shape or c.ndim != 1:
-        raise FitError(f"compute and R must be 1-D of equal length, got {c.shape} and {r.shape}")
+    if c.ndim != 1 or c.shape != r.shape:
+        raise FitError(f"compute and R must be 1-D of equal length, got shapes {c.shape} and {r.shape}")
     bad = ~(np.isfinite(c) & np.isfinite(r))
     if bad.any():
         raise FitError(f"non-finite values at points {np.flatnonzero(bad).tolist()} (compute, R)")
+    if c.size == 0:
+        raise FitError("no points")
+    if (c < 0).any():
+        raise FitError(f"negative compute at points {np.flatnonzero(c < 0).tolist()}")
+    keep = c > max(fit_start, 0.0)
     if R0 is None:
-        if c.size == 0:
-            raise FitError("no points")
-        R0 = float(r[np.argmin(c)])
-    keep = (c > max(fit_start, 0.0)) & (c > 0)
-    if keep.sum() < 4:
-        raise FitError(f"only {int(keep.sum())} points after the warm-up cut (fit_start={fit_start:g}); 4 are needed")
-    return c[keep], r[keep], float(R0)
+        first = int(np.argmin(c))
+        R0 = float(r[first])
+        keep[first] = False
+    if not math.isfinite(R0):
+        raise FitError(f"R0 must be finite, got {R0}")
+    n = int(keep.sum())
+    if n < MIN_POINTS:
+        raise FitError(
+            f"only {n} points after the warm-up cut (fit_start={fit_start:g}, last compute {c.max():g}); "
+            f"{MIN_POINTS} are needed: lower --fit-start or wait for more evaluations"
+        )
+    return Points(c[keep], r[keep], float(R0))
 
 
-def _degeneracy(A: float, B: float, C_mid: float, A_bounds: tuple[float, float], c: Array) -> list[str]:
-    notes = []
-    if min(abs(A - A_bounds[0]), abs(A - A_bounds[1])) < 1e-3:
-        notes.append(f"A={A:.3f} is at its bound {A_bounds}: the asymptote is not identified by these points")
-    if B > 10:
-        notes.append(f"B={B:.1f} is huge: the curve is a step; more points around C_mid are needed")
-    if C_mid > 100 * c.max():
-        notes.append(f"C_mid={C_mid:.3g} is far beyond the data (max compute {c.max():.3g}): extrapolation only")
-    return notes
+# ---------------------------------------------------------------------------------------------------------------
+# Levenberg-Marquardt, batched over curves and starting points
+# ---------------------------------------------------------------------------------------------------------------
 
 
-def _a_bounds(r: Array, R0: float) -> tuple[float, float]:
-    # A above every observation minus noise, at most 1 (a pass rate) (ours: bounds from the data)
-    return max(R0, float(r.min())) + 1e-6, 1.0
+def _model_and_jacobian(x: Array, logc: Array, R0: float) -> tuple[Array, Array]:
+    """Curves [n, m] and their Jacobian [n, m, 3] at x = [n, 3] rows of (A, log C_mid, log B)."""
+    A, u, B = x[:, :1], x[:, 1:2], np.exp(x[:, 2:3])
+    z = B * (logc - u)
+    s = expit(z)
+    gain = A - R0
+    ds = s * (1.0 - s)
+    jac = np.stack([s, -gain * ds * B, gain * ds * z], axis=-1)
+    return R0 + gain * s, jac
 
 
-def fit_fast(c: Array, r: Array, R0: float, A_fixed: float | None = None, start: Fit | None = None) -> Fit:
-    """Coarse vectorised grid, then bounded joint least squares (A, log C_mid, log B)."""
-    A_lo, A_hi = _a_bounds(r, R0) if A_fixed is None else (A_fixed, A_fixed)
-    logc = np.log(c)
-    lc_lo, lc_hi = logc.min() - math.log(100.0), logc.max() + math.log(100.0)
-    lb_lo, lb_hi = math.log(0.05), math.log(20.0)
+def levenberg_marquardt(
+    x0: Array,
+    logc: Array,
+    R: Array,
+    R0: float,
+    lower: Array,
+    upper: Array,
+    free: Array | None = None,
+    max_iter: int = 200,
+    rtol: float = 1e-10,
+) -> tuple[Array, Array, Array]:
+    """Least squares for n problems at once: start rows x0 [n, 3] of (A, log C_mid, log B), data R [n, m]
+    (one row per curve, or [m] shared by all starts) at log compute `logc` [m].
 
-    if start is None:
-        As = np.linspace(A_lo, A_hi, 24) if A_fixed is None else np.array([A_fixed])
-        lcs = np.linspace(lc_lo, lc_hi, 40)
-        lbs = np.linspace(lb_lo, lb_hi, 24)
-        a, lcm, lb = np.meshgrid(As, lcs, lbs, indexing="ij")
-        pred = R0 + (a[..., None] - R0) / (1.0 + np.exp(np.exp(lb)[..., None] * (lcm[..., None] - logc)))
-        sse = ((pred - r) ** 2).sum(-1)
-        i = np.unravel_index(np.argmin(sse), sse.shape)
-        x0 = [a[i], lcm[i], lb[i]]
-    else:
-        x0 = [start.A if A_fixed is None else A_fixed, math.log(start.C_mid), math.log(start.B)]
+    Bounds are kept by projecting each step onto the box (the minima of interest are interior; a solution
+    on a bound is reported by `degeneracy`). `free` masks the parameters to fit (A fixed: [F, T, T]).
+    Returns (x [n, 3], sse [n], converged [n])."""
+    x = np.clip(np.array(x0, dtype=np.float64), lower, upper)
+    R = np.broadcast_to(R, (x.shape[0], logc.size))
+    free = np.ones(3, dtype=bool) if free is None else np.asarray(free, dtype=bool)
+    n = x.shape[0]
+    lam = np.full(n, 1e-3)
+    pred, jac = _model_and_jacobian(x, logc, R0)
+    res = pred - R
+    sse = (res**2).sum(-1)
+    converged = np.zeros(n, dtype=bool)
+    active = np.arange(n)
+    eye = np.eye(int(free.sum()))
+    for _ in range(max_iter):
+        if active.size == 0:
+            break
+        J = jac[active][..., free]
+        H = np.einsum("nmp,nmq->npq", J, J)
+        g = np.einsum("nmp,nm->np", J, res[active])
+        # Marquardt's scaling by diag(H), floored so a flat direction cannot make the system singular.
+        diag = np.maximum(np.einsum("npp->np", H), 1e-12)
+        step = np.linalg.solve(H + lam[active, None, None] * diag[:, :, None] * eye, -g[..., None])[..., 0]
+        trial = x[active].copy()
+        trial[:, free] += step
+        trial = np.clip(trial, lower, upper)
+        trial_pred, trial_jac = _model_and_jacobian(trial, logc, R0)
+        trial_res = trial_pred - R[active]
+        trial_sse = (trial_res**2).sum(-1)
+        better = trial_sse < sse[active]
+        gain = sse[active] - trial_sse
+        idx = active[better]
+        x[idx], sse[idx], res[idx], jac[idx] = trial[better], trial_sse[better], trial_res[better], trial_jac[better]
+        lam[active] = np.where(better, lam[active] * 0.3, lam[active] * 10.0)
+        # Done when an accepted step no longer improves, or no step near the gradient direction improves.
+        done = (better & (gain <= rtol * sse[active] + 1e-30)) | (lam[active] > 1e10)
+        converged[active[done]] = True
+        active = active[~done]
+    return x, sse, converged
 
-    def residuals(x: Array) -> Array:
-        A = x[0] if A_fixed is None else A_fixed
-        return R0 + (A - R0) / (1.0 + np.exp(np.exp(x[2]) * (x[1] - logc))) - r
 
+# ---------------------------------------------------------------------------------------------------------------
+# The two procedures
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def a_bounds(points: Points, A_max: float = 1.0) -> tuple[float, float]:
+    """A lies above R0 and the lowest fitted point (the curve rises towards A) and at most `A_max`
+    (1 for a pass rate) (ours: the paper's fixed [0.45, 0.80] would exclude curves outside it)."""
+    lo = max(points.R0, float(points.R.min())) + 1e-6
+    if lo >= A_max:
+        raise FitError(f"every point is at or above A_max={A_max:g}: no rising curve to fit")
+    return lo, A_max
+
+
+def search_box(points: Points, A_bounds: tuple[float, float]) -> tuple[Array, Array]:
+    """Lower and upper bounds of (A, log C_mid, log B)."""
+    logc = np.log(points.compute)
+    lower = np.array([A_bounds[0], logc.min() - math.log(C_MID_MARGIN), math.log(B_BOUNDS[0])])
+    upper = np.array([A_bounds[1], logc.max() + math.log(C_MID_MARGIN), math.log(B_BOUNDS[1])])
+    return lower, upper
+
+
+def _coarse_grid_starts(points: Points, lower: Array, upper: Array, A_fixed: float | None, starts: int) -> Array:
+    """The `starts` best cells of a (log C_mid, log B) grid, with A at its least-squares value in each cell.
+
+    For fixed C_mid and B the curve is linear in A, so the best A of a cell is a projection (clipped to
+    its bounds): the grid needs only two dimensions (variable projection, Golub & Pereyra 1973)."""
+    logc = np.log(points.compute)
+    us = np.linspace(lower[1], upper[1], 48)
+    Bs = np.exp(np.linspace(lower[2], upper[2], 24))
+    shape = expit(Bs[None, :, None] * (logc - us[:, None, None]))  # [u, B, m]: R = R0 + (A - R0) * shape
+    target = points.R - points.R0
     if A_fixed is None:
-        lower, upper = [A_lo, lc_lo, lb_lo], [A_hi, lc_hi, lb_hi]
-        x0 = list(np.clip(x0, lower, upper))
-        sol = least_squares(residuals, x0, bounds=(lower, upper), method="trf", x_scale=[0.1, 1.0, 0.3])
-        A = float(sol.x[0])
+        gain = (shape * target).sum(-1) / np.maximum((shape**2).sum(-1), 1e-300)
+        gain = np.clip(gain, lower[0] - points.R0, upper[0] - points.R0)
     else:
-        lower, upper = [lc_lo, lb_lo], [lc_hi, lb_hi]
-        x1 = list(np.clip(x0[1:], lower, upper))
-        sol = least_squares(lambda x: residuals(np.r_[A_fixed, x]), x1, bounds=(lower, upper), method="trf")
-        sol.x = np.r_[A_fixed, sol.x]
-        A = A_fixed
-    B, C_mid = float(math.exp(sol.x[2])), float(math.exp(sol.x[1]))
-    rmse = float(np.sqrt(np.mean(sol.fun**2)))
-    return Fit(A, B, C_mid, R0, rmse, int(c.size), 0.0, "fast", _degeneracy(A, B, C_mid, (A_lo, A_hi), c))
+        gain = np.full(shape.shape[:2], A_fixed - points.R0)
+    sse = ((gain[..., None] * shape - target) ** 2).sum(-1)
+    # The best B per C_mid row, then the best rows: distinct C_mid starts guard against a local minimum.
+    best_B = sse.argmin(-1)
+    rows = np.argsort(sse[np.arange(us.size), best_B])[:starts]
+    A = points.R0 + gain[rows, best_B[rows]]
+    return np.stack([A, us[rows], np.log(Bs[best_B[rows]])], axis=-1)
 
 
-def fit_paper(c: Array, r: Array, R0: float, A_grid: Array | None = None, C_mid_grid: Array | None = None) -> Fit:
-    """The paper's procedure: grid over A and C_mid, `curve_fit` for B at each grid point."""
-    A_grid = np.arange(0.45, 0.80 + 1e-9, 0.005) if A_grid is None else A_grid
-    C_mid_grid = np.linspace(100.0, 40000.0, 100) if C_mid_grid is None else C_mid_grid
+def fit_fast(
+    points: Points, A_fixed: float | None = None, A_max: float = 1.0, starts: int = 6, start: Fit | None = None
+) -> Fit:
+    """Coarse grid, then batched Levenberg-Marquardt from its `starts` best cells (or from `start`)."""
+    A_bounds = (A_fixed, A_fixed) if A_fixed is not None else a_bounds(points, A_max)
+    lower, upper = search_box(points, A_bounds)
+    if start is not None:
+        x0 = np.array([[A_fixed if A_fixed is not None else start.A, math.log(start.C_mid), math.log(start.B)]])
+    else:
+        x0 = _coarse_grid_starts(points, lower, upper, A_fixed, starts)
+    free = np.array([A_fixed is None, True, True])
+    x, sse, _ = levenberg_marquardt(x0, np.log(points.compute), points.R, points.R0, lower, upper, free)
+    best = int(np.argmin(sse))
+    A, C_mid, B = float(x[best, 0]), math.exp(x[best, 1]), math.exp(x[best, 2])
+    rmse = math.sqrt(sse[best] / points.R.size)
+    fit = Fit(A, B, C_mid, points.R0, rmse, int(points.R.size), 0.0, "fast", A_bounds, points=points)
+    fit.warnings = degeneracy(fit, points, check_A=A_fixed is None)
+    return fit
+
+
+def fit_paper(
+    points: Points,
+    A_grid: Array = PAPER_A_GRID,
+    C_mid_grid: Array = PAPER_C_MID_GRID,
+    progress: Callable[[int], None] | None = None,
+) -> Fit:
+    """The paper's procedure: grid over A and C_mid, `curve_fit` for B at each grid point, least squares.
+    `progress(k)` is called after each A row (k = grid points done) for a progress bar."""
+    c, r, R0 = points.compute, points.R, points.R0
     best: tuple[float, float, float, float] | None = None
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.simplefilter("ignore")  # curve_fit's OptimizeWarning at grid points far from the data
         for A in A_grid:
             for C_mid in C_mid_grid:
                 try:
@@ -162,15 +292,39 @@ def fit_paper(c: Array, r: Array, R0: float, A_grid: Array | None = None, C_mid_
                 except RuntimeError:  # curve_fit did not converge at this grid point
                     continue
                 sse = float(((sigmoid(c, A, B, C_mid, R0) - r) ** 2).sum())
-                if np.isfinite(sse) and (best is None or sse < best[0]):
+                if math.isfinite(sse) and B > 0 and (best is None or sse < best[0]):
                     best = (sse, float(A), float(B), float(C_mid))
+            if progress is not None:
+                progress(len(C_mid_grid))
     if best is None:
         raise FitError("the paper's grid found no converging fit")
     sse, A, B, C_mid = best
-    notes = _degeneracy(A, B, C_mid, (float(A_grid.min()), float(A_grid.max())), c)
+    A_bounds = (float(A_grid.min()), float(A_grid.max()))
+    fit = Fit(A, B, C_mid, R0, math.sqrt(sse / c.size), int(c.size), 0.0, "paper", A_bounds, points=points)
+    fit.warnings = degeneracy(fit, points)
     if C_mid in (float(C_mid_grid.min()), float(C_mid_grid.max())):
-        notes.append(f"C_mid={C_mid:g} is at the edge of the paper's grid [{C_mid_grid.min():g}, {C_mid_grid.max():g}]")
-    return Fit(A, B, C_mid, R0, math.sqrt(sse / c.size), int(c.size), 0.0, "paper", notes)
+        fit.warnings.append(
+            f"C_mid={C_mid:g} is at the edge of the paper's grid [{C_mid_grid.min():g}, {C_mid_grid.max():g}]"
+        )
+    return fit
+
+
+def degeneracy(fit: Fit, points: Points, check_A: bool = True) -> list[str]:
+    """Reasons not to trust a fit: parameters at their bounds or outside what the data can identify."""
+    notes = []
+    lo, hi = fit.A_bounds
+    if check_A and min(abs(fit.A - lo), abs(fit.A - hi)) < 1e-3:
+        notes.append(f"A={fit.A:.3f} is at its bound [{lo:.3f}, {hi:.3f}]: the asymptote is not identified")
+    if fit.B > 10:
+        notes.append(f"B={fit.B:.1f} is huge: the curve is a step; more points around C_mid are needed")
+    if fit.B < 0.1:
+        notes.append(f"B={fit.B:.3f} is tiny: the curve is nearly flat in log compute")
+    c = points.compute
+    if fit.C_mid > 10 * c.max():
+        notes.append(f"C_mid={fit.C_mid:.3g} is beyond 10x the last compute {c.max():.3g}: A is a guess")
+    if fit.C_mid < c.min() / 10:
+        notes.append(f"C_mid={fit.C_mid:.3g} is below the first fitted compute {c.min():.3g}/10: lower --fit-start")
+    return notes
 
 
 def fit_curve(
@@ -180,98 +334,19 @@ def fit_curve(
     fit_start: float = 0.0,
     method: str = "fast",
     A_fixed: float | None = None,
+    A_max: float = 1.0,
+    progress: Callable[[int], None] | None = None,
 ) -> Fit:
-    """Fit R(C) to the points above `fit_start`; R0 is the lowest-compute point's R unless given."""
-    c, r, R0 = prepare(compute, R, R0, fit_start)
+    """Fit R(C) to the points above `fit_start`; R0 is the lowest-compute point's R unless given.
+    `A_fixed` fits B and C_mid only (the paper's shared-A comparison); `progress` is the paper grid's."""
+    points = prepare(compute, R, R0, fit_start)
     if method == "fast":
-        fit = fit_fast(c, r, R0, A_fixed=A_fixed)
+        fit = fit_fast(points, A_fixed=A_fixed, A_max=A_max)
     elif method == "paper":
         if A_fixed is not None:
             raise FitError("A_fixed is supported by the fast method only")
-        fit = fit_paper(c, r, R0)
+        fit = fit_paper(points, progress=progress)
     else:
-        raise FitError(f"method: {method!r} is not one of ['fast', 'paper']")
+        raise FitError(f"method: {method!r} is not one of {list(METHODS)}")
     fit.fit_start = fit_start
     return fit
-
-
-@dataclass
-class Bootstrap:
-    fit: Fit
-    samples: Array
-    """[n, 3]: A, B, C_mid of each bootstrap refit."""
-    level: float
-
-    def interval(self, name: str) -> tuple[float, float]:
-        column = {"A": 0, "B": 1, "C_mid": 2}[name]
-        lo, hi = np.quantile(self.samples[:, column], [(1 - self.level) / 2, (1 + self.level) / 2])
-        return float(lo), float(hi)
-
-    def predict_interval(self, compute: ArrayLike) -> tuple[Array, Array]:
-        """Pointwise interval of R at `compute` (the prediction band of plots)."""
-        c = np.atleast_1d(np.asarray(compute, dtype=np.float64))
-        curves = sigmoid(c[None, :], self.samples[:, :1], self.samples[:, 1:2], self.samples[:, 2:3], self.fit.R0)
-        lo, hi = np.quantile(curves, [(1 - self.level) / 2, (1 + self.level) / 2], axis=0)
-        return lo, hi
-
-
-def bootstrap(
-    compute: ArrayLike,
-    R: ArrayLike,
-    fit: Fit,
-    n: int = 1000,
-    level: float = 0.9,
-    seed: int = 0,
-    progress: bool = False,
-) -> Bootstrap:
-    """Residual bootstrap of `fit` (made by `fit_curve` on the same points): percentile intervals."""
-    c, r, _ = prepare(compute, R, fit.R0, fit.fit_start)
-    fitted = fit.predict(c)
-    residuals = r - fitted
-    residuals = residuals - residuals.mean()
-    # Inflate residuals for the 3 fitted parameters (Davison & Hinkley's leverage-free correction).
-    residuals *= math.sqrt(c.size / max(c.size - 3, 1))
-    rng = np.random.default_rng(seed)
-    samples = np.empty((n, 3))
-    iterator = range(n)
-    if progress:
-        from tqdm import tqdm
-
-        iterator = tqdm(iterator, desc="bootstrap", leave=False)
-    for i in iterator:
-        resampled = fitted + rng.choice(residuals, size=c.size, replace=True)
-        refit = fit_fast(c, resampled, fit.R0, start=fit)
-        samples[i] = (refit.A, refit.B, refit.C_mid)
-    return Bootstrap(fit, samples, level)
-
-
-@dataclass
-class Extrapolation:
-    cut: float
-    fit: Fit
-    last_compute: float
-    last_observed: float
-    predicted: float
-    interval: tuple[float, float]
-
-    @property
-    def error(self) -> float:
-        return self.predicted - self.last_observed
-
-
-def extrapolation_check(
-    compute: ArrayLike, R: ArrayLike, cut: float, fit_start: float = 0.0, R0: float | None = None, n_boot: int = 200
-) -> Extrapolation:
-    """Fit on the points with compute <= cut, predict the last point (the paper's "fit to 50k, predict 100k")."""
-    c = np.asarray(compute, dtype=np.float64)
-    r = np.asarray(R, dtype=np.float64)
-    if R0 is None:
-        R0 = float(r[np.argmin(c)])
-    head = c <= cut
-    fit = fit_curve(c[head], r[head], R0=R0, fit_start=fit_start)
-    boot = bootstrap(c[head], r[head], fit, n=n_boot)
-    last = int(np.argmax(c))
-    lo, hi = boot.predict_interval([c[last]])
-    return Extrapolation(
-        cut, fit, float(c[last]), float(r[last]), float(fit.predict([c[last]])[0]), (float(lo[0]), float(hi[0]))
-    )

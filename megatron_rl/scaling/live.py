@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from megatron_rl.scaling.fit import FitError, bootstrap, fit_curve
+from megatron_rl.scaling.bootstrap import bootstrap
+from megatron_rl.scaling.fit import FitError, fit_curve
+
+
+class LivePrediction(dict[str, float]):
+    """`scaling/*` metrics to log; empty, with `reason` saying why, while no prediction can be made."""
+
+    def __init__(self, metrics: dict[str, float] | None = None, reason: str = "") -> None:
+        super().__init__(metrics or {})
+        self.reason = reason
 
 
 def live_prediction(
@@ -13,19 +23,42 @@ def live_prediction(
     metric: str = "val/pass_rate",
     compute_col: str = "device_hours",
     n_boot: int = 100,
-    min_points: int = 6,
-) -> dict[str, float]:
-    """`scaling/*` metrics (A, its 90% interval, B, C_mid) or {} while there are too few points.
+    level: float = 0.9,
+    min_points: int = 8,
+) -> LivePrediction:
+    """Fit the validation points in `rows` (metrics rows, as `megatron_rl.metrics.read_metrics` returns
+    them; rows without `metric` are skipped) and return `scaling/A`, `scaling/A_lo`, `scaling/A_hi`
+    (the `level` interval), `scaling/B`, `scaling/C_mid`, `scaling/R0`, `scaling/rmse`, `scaling/points`
+    and `scaling/degenerate` (1.0 when the fit warned).
 
-    Cheap enough for every evaluation: one fast fit and `n_boot` warm-started refits (~0.1 s)."""
-    points = [(float(r[compute_col]), float(r[metric])) for r in rows if r.get(metric) is not None and compute_col in r]
-    if len([c for c, _ in points if c > fit_start]) < min_points:
-        return {}
+    Cheap enough for every evaluation: one fast fit and `n_boot` refits in one batch (a few ms). Never
+    raises on data: while there are fewer than `min_points` points after `fit_start`, or the fit fails,
+    it returns an empty LivePrediction whose `reason` says why."""
+    points = []
+    for row in rows:
+        value, compute = row.get(metric), row.get(compute_col)
+        numbers = isinstance(value, (int, float)) and isinstance(compute, (int, float))
+        if numbers and math.isfinite(value) and math.isfinite(compute):
+            points.append((float(compute), float(value)))
     points.sort()
+    usable = sum(c > fit_start for c, _ in points[1:])  # the first point is R0
+    if usable < min_points:
+        return LivePrediction(reason=f"{usable} of {min_points} points after fit_start={fit_start:g}")
     compute, R = [c for c, _ in points], [v for _, v in points]
     try:
         fit = fit_curve(compute, R, fit_start=fit_start)
-        lo, hi = bootstrap(compute, R, fit, n=n_boot).interval("A")
-    except FitError:
-        return {}
-    return {"scaling/A": fit.A, "scaling/A_lo": lo, "scaling/A_hi": hi, "scaling/B": fit.B, "scaling/C_mid": fit.C_mid}
+    except FitError as exc:
+        return LivePrediction(reason=str(exc))
+    lo, hi = bootstrap(fit, n=n_boot, level=level).interval("A")
+    metrics = {
+        "scaling/A": fit.A,
+        "scaling/A_lo": lo,
+        "scaling/A_hi": hi,
+        "scaling/B": fit.B,
+        "scaling/C_mid": fit.C_mid,
+        "scaling/R0": fit.R0,
+        "scaling/rmse": fit.rmse,
+        "scaling/points": float(fit.n_points),
+        "scaling/degenerate": float(bool(fit.warnings)),
+    }
+    return LivePrediction(metrics, reason="; ".join(fit.warnings))
