@@ -18,6 +18,18 @@ from typing import Any
 from megatron_rl.config import RunConfig, build
 
 
+def _quiet_megatron() -> None:
+    """megatron-core warns at import about optional GPU packages (TE, Apex) and deprecations; on the
+    console of a run those lines hide the one-line-per-step summary. Errors still surface."""
+    import logging
+    import warnings
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
 class TrainerWorker:
     """One trainer rank inside a Ray actor."""
 
@@ -25,6 +37,7 @@ class TrainerWorker:
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
         )
+        _quiet_megatron()
         import torch
 
         from megatron_rl.trainer.step import Trainer
