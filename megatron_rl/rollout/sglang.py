@@ -1,19 +1,28 @@
-"""SGLang generator engines: managed server processes and an async client on SGLang's native HTTP API.
+"""SGLang generator engines: managed server processes, an async client on SGLang's native HTTP API, and a
+balancer that makes several engines one `GenerateFn` for the rollout pipeline.
 
-    server = SGLangServer(model_dir, engine_cfg, log_path); server.start(); await server.wait_ready()
+    server = SGLangServer(model_dir, engine_cfg, run_dir / "logs/engine0.log"); server.start()
+    await server.wait_ready()
     client = SGLangClient(server.url)
     segment = await client.generate(input_ids, max_new_tokens, stop_ids, sampling)   # -> interruption.Segment
-    balancer = EngineBalancer([client, ...], sampling, max_retries)                 # a GenerateFn
+    generate = EngineBalancer([client, ...], sampling, max_retries)                  # a GenerateFn
 
-Per-token policy versions come from SGLang itself: every `/generate` answer carries `weight_versions`,
-spans of output tokens with the weight version that produced them (we set the version to the trainer's
-step on each update), so a sequence that lived through in-flight weight updates reports exactly which
-tokens came from which policy (PipelineRL). Generator log-probs are SGLang's fp32 per-token log-probs.
+What the pipeline gets back per call (`interruption.Segment`): the sampled token ids, SGLang's per-token
+log-probs of the sampling distribution (log-softmax of logits / temperature, computed in fp32; top-p/top-k
+truncation is not folded in), the policy version of every token, and the finish reason (stop | length |
+abort). Versions come from SGLang itself: each answer carries `weight_versions`, spans of output tokens
+with the weight version that produced them. The server starts at version 0 and every weight update sets
+the trainer's step as the new version (sync.WeightSender), so a sequence that lived through in-flight
+updates says exactly which tokens came from which policy (PipelineRL). The model's own EOS always ends a
+segment, as in any SGLang deployment; `stop_token_ids` add to it, and a stop token that ended a segment
+is part of its tokens.
 
-A dead or unreachable engine raises `EngineError`; the balancer retries the request on another engine
-(counted) up to `max_retries` times. On CPU the server runs SGLang's torch-native path
-(`SGLANG_USE_CPU_ENGINE=1`, `--device cpu --attention-backend torch_native`), installed by
-tools/install_sglang.sh.
+Failures are typed so the pipeline can catch and count them: `EngineUnavailableError` (refused or dropped
+connection: the server is dead or restarting), `EngineTimeoutError`, `EngineRequestError` (the server
+answered with an HTTP error), all `EngineError`. The client retries only what cannot have reached the
+server (a connection that was never established); the balancer retries a failed request on another
+engine. On CPU the server runs SGLang's torch-native path (`SGLANG_USE_CPU_ENGINE=1`, `--device cpu
+--attention-backend torch_native`), installed by tools/install_sglang.sh.
 """
 
 from __future__ import annotations
@@ -22,48 +31,93 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, Literal
 
 import aiohttp
 
 from megatron_rl.config import EngineConfig, SamplingConfig
-from megatron_rl.rollout.interruption import Segment
+from megatron_rl.rollout.interruption import GenerateFn, Segment
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+"""KV-cache pool size on CPU when none is given: SGLang would otherwise size it from a fraction of host RAM,
+which on a shared machine takes memory other processes need."""
 
 
 class EngineError(RuntimeError):
-    """An engine could not answer (dead process, refused connection, HTTP error)."""
+    """An engine could not answer a request."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url = url
 
 
-def _free_port() -> int:
-    import socket
+class EngineUnavailableError(EngineError):
+    """No connection to the engine (refused, reset, dropped mid-request): it is dead or restarting."""
 
+
+class EngineTimeoutError(EngineError):
+    """The engine took longer than the client's timeout."""
+
+
+class EngineRequestError(EngineError):
+    """The engine answered with an HTTP error (or a malformed answer)."""
+
+    def __init__(self, url: str, message: str, status: int) -> None:
+        super().__init__(url, message)
+        self.status = status
+
+
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
 
 
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class SGLangServer:
-    """One `sglang.launch_server` process group, its port and its log."""
+    """One `python -m sglang.launch_server` process group: its command line, port, log and lifetime.
+
+    The server runs in its own session (process group), so `stop()` ends the HTTP process, the scheduler
+    and the detokenizer together, also when the HTTP process died first. Output goes to `log_path`
+    (appended, one header line per start); errors quote its tail.
+    """
 
     def __init__(
         self,
-        model_path: Path,
+        model_path: str | Path,
         cfg: EngineConfig,
-        log_path: Path,
+        log_path: str | Path,
         host: str = "127.0.0.1",
         port: int | None = None,
         max_total_tokens: int | None = None,
     ) -> None:
         self.model_path, self.cfg, self.log_path = Path(model_path), cfg, Path(log_path)
-        self.host, self.port = host, port or _free_port()
+        self.host = host
+        self.port = port or free_port(host)
+        if max_total_tokens is None and cfg.device == "cpu":
+            max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
         self.max_total_tokens = max_total_tokens
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+        self.started_at = 0.0
+        self.ready_seconds = 0.0
+        """Seconds from the last start() to ready (set by wait_ready)."""
+        self._log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -72,153 +126,304 @@ class SGLangServer:
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path)]
         cmd += ["--host", self.host, "--port", str(self.port), "--tp-size", str(self.cfg.tp)]
-        cmd += ["--dtype", self.cfg.dtype, "--mem-fraction-static", str(self.cfg.mem_fraction)]
-        cmd += ["--weight-version", "0", "--skip-server-warmup"]
-        if self.cfg.device == "cpu":
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+        cmd += ["--dtype", self.cfg.dtype, "--weight-version", "0"]
         if self.max_total_tokens:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.cfg.device == "cpu":
+            # CPU: SGLang's torch-native attention (no kernels), no CUDA graphs, and no warm-up request
+            # (a tiny model needs none; it costs seconds of start-up on 2 cores).
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+            cmd += ["--skip-server-warmup"]
+        else:
+            cmd += ["--mem-fraction-static", str(self.cfg.mem_fraction)]
         if self.cfg.fp32_lm_head:
-            cmd += ["--enable-fp32-lm-head"]
+            cmd += ["--enable-fp32-lm-head"]  # logits (hence sampling and log-probs) in fp32, SCALERL.md §3
         return cmd + list(self.cfg.extra_args)
 
-    def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+    def env(self) -> dict[str, str]:
         env = dict(os.environ)
         if self.cfg.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"
-        log = self.log_path.open("ab")
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform defaults (no CUDA probing)
+        return env
+
+    def start(self) -> None:
+        if self.alive():
+            raise RuntimeError(f"SGLang server on port {self.port} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        command = self.command()
+        self._log.write(f"\n=== megatron_rl: {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
+        self._log.flush()
+        self.started_at = time.monotonic()
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,  # its own process group, so stop() reaches the scheduler processes too
         )
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
 
-    def log_tail(self, lines: int = 30) -> str:
+    def log_tail(self, lines: int = 40, max_bytes: int = 65536) -> str:
         if not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            return "(no log)"
+        with self.log_path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
 
-    async def wait_ready(self, timeout_s: float = 600.0) -> None:
+    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        """Wait until `/health` answers 200; raise EngineError with the log tail if the server exits or
+        is not ready in time (then it is stopped)."""
+        if self.process is None:
+            raise RuntimeError("SGLangServer.start() first")
         deadline = time.monotonic() + timeout_s
-        async with aiohttp.ClientSession() as session:
-            while time.monotonic() < deadline:
+        probe = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=probe) as session:
+            while True:
                 if not self.alive():
-                    raise EngineError(f"SGLang server on port {self.port} exited while starting:\n{self.log_tail()}")
-                try:
-                    async with session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                        if r.status == 200:
+                    code = self.process.returncode if self.process else None
+                    self.stop()
+                    message = f"SGLang server exited with code {code} while starting; log {self.log_path}:"
+                    raise EngineUnavailableError(self.url, f"{message}\n{self.log_tail()}")
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.get(f"{self.url}/health") as response:
+                        if response.status == 200:
+                            self.ready_seconds = time.monotonic() - self.started_at
                             return
-                except (aiohttp.ClientError, TimeoutError):
-                    pass
-                await asyncio.sleep(1.0)
-        self.stop()
-        raise EngineError(f"SGLang server on port {self.port} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+                if time.monotonic() > deadline:
+                    self.stop()
+                    message = f"SGLang server not ready after {timeout_s:.0f} s; log {self.log_path}:"
+                    raise EngineTimeoutError(self.url, f"{message}\n{self.log_tail()}")
+                await asyncio.sleep(poll_s)
 
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout=20)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
+    def stop(self, grace_s: float = 20.0) -> None:
+        """End the whole process group: SIGTERM, then SIGKILL after `grace_s`."""
+        if self.process is not None:
+            pgid = self.process.pid  # the leader of its own session: its pid is the group id
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self._group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if self._group_alive(pgid):
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
+                    os.killpg(pgid, signal.SIGKILL)
                 self.process.wait()
-        self.process = None
+                while self._group_alive(pgid):
+                    time.sleep(0.1)
+            self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
 
-    async def restart(self) -> None:
+    def _group_alive(self, pgid: int) -> bool:
+        if self.process is not None:
+            self.process.poll()  # reap the leader, or it stays a zombie member of the group
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    async def restart(self, timeout_s: float = 600.0) -> None:
+        """Stop and start again (on the same port if it is still free), then wait until ready."""
         self.stop()
+        if not _port_is_free(self.host, self.port):
+            self.port = free_port(self.host)
         self.restarts += 1
         self.start()
-        await self.wait_ready()
+        await self.wait_ready(timeout_s)
 
 
-def _version(value: Any) -> int:
+FinishReason = Literal["stop", "length", "abort"]
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+def _parse_version(url: str, value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        return 0  # the server's initial "default" version
+        raise EngineRequestError(
+            url, f"weight version {value!r} is not an integer (start SGLang with --weight-version 0)", 200
+        ) from None
 
 
-@dataclass
 class SGLangClient:
-    """Async client for one engine's native API."""
+    """Async client for one engine's native API (aiohttp; one session per event loop).
 
-    url: str
-    timeout_s: float = 600.0
-    tp: int = 1
-    session: aiohttp.ClientSession | None = None
-    outstanding: int = 0
+    `timeout_s` bounds every request (generation included); a connection that cannot be established is
+    retried `connect_retries` times with a growing pause, then raises EngineUnavailableError.
+    `outstanding` counts this client's in-flight generate calls (the balancer reads it).
+    """
 
-    async def _session(self) -> aiohttp.ClientSession:
-        if self.session is None or self.session.closed:
-            self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
-        return self.session
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 1800.0,
+        connect_timeout_s: float = 10.0,
+        connect_retries: int = 2,
+        retry_backoff_s: float = 0.5,
+        tp: int = 1,
+    ) -> None:
+        self.url = url.rstrip("/")
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.connect_retries, self.retry_backoff_s = connect_retries, retry_backoff_s
+        self.tp = tp
+        self.outstanding = 0
+        self._session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
-    async def post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
-        session = await self._session()
-        try:
-            async with session.post(f"{self.url}{path}", json=payload or {}) as response:
-                body = await response.json(content_type=None) if response.content_length != 0 else None
-                if response.status != 200:
-                    raise EngineError(f"{self.url}{path}: HTTP {response.status}: {body}")
-                return body
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-            raise EngineError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+    def __repr__(self) -> str:
+        return f"SGLangClient({self.url!r})"
 
-    async def get(self, path: str) -> Any:
-        session = await self._session()
-        try:
-            async with session.get(f"{self.url}{path}") as response:
-                if response.status != 200:
-                    raise EngineError(f"{self.url}{path}: HTTP {response.status}")
-                return await response.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-            raise EngineError(f"{self.url}{path}: {type(exc).__name__}: {exc}") from exc
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            # A session belongs to the loop that made it; a client reused from a new loop gets a new one.
+            timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
+            # limit=0: no client-side cap on concurrent requests; SGLang schedules them itself.
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+            self._loop = loop
+        return self._session
+
+    async def request(
+        self,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+        connect_retries: int | None = None,
+    ) -> Any:
+        """One HTTP call; returns the decoded JSON body (or the text body, or None when empty)."""
+        session = self._get_session()
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=self.connect_timeout_s) if timeout_s else None
+        retries = self.connect_retries if connect_retries is None else connect_retries
+        for attempt in range(retries + 1):
+            try:
+                async with session.request(method, f"{self.url}{path}", json=payload, timeout=timeout) as response:
+                    text = await response.text()
+                    body = _decode(text, response.content_type)
+                    if response.status != 200:
+                        raise EngineRequestError(
+                            self.url, f"{path}: HTTP {response.status}: {text[:500]}", response.status
+                        )
+                    return body
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                # The connection was never established, so the request never reached the server: safe to retry.
+                if attempt == retries:
+                    raise EngineUnavailableError(self.url, f"{path}: cannot connect: {exc}") from exc
+                await asyncio.sleep(self.retry_backoff_s * 2**attempt)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, aiohttp.ClientPayloadError) as exc:
+                raise EngineUnavailableError(self.url, f"{path}: connection lost: {type(exc).__name__}: {exc}") from exc
+            except TimeoutError as exc:
+                limit = timeout_s or self.timeout_s
+                raise EngineTimeoutError(self.url, f"{path}: no answer within {limit:.0f} s") from exc
+            except aiohttp.ClientError as exc:
+                raise EngineUnavailableError(self.url, f"{path}: {type(exc).__name__}: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    async def post(self, path: str, payload: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+        return await self.request("POST", path, payload or {}, timeout_s)
+
+    async def get(self, path: str, timeout_s: float | None = None) -> Any:
+        return await self.request("GET", path, None, timeout_s)
+
+    async def _post_checked(self, path: str, payload: dict[str, Any], timeout_s: float | None = None) -> Any:
+        """POST to an endpoint that answers {"success": bool, "message": str}; raise unless success."""
+        out = await self.post(path, payload, timeout_s)
+        if not isinstance(out, dict) or not out.get("success", False):
+            raise EngineRequestError(self.url, f"{path} failed: {out}", 200)
+        return out
+
+    # --- generation -------------------------------------------------------------------------------
 
     async def generate(
-        self, input_ids: list[int], max_new_tokens: int, stop_ids: list[int], sampling: SamplingConfig
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        sampling: SamplingConfig | None = None,
     ) -> Segment:
+        """Sample up to `max_new_tokens` after `input_ids`; tokens, fp32 log-probs, versions, finish."""
+        if max_new_tokens <= 0:
+            return Segment([], [], [], "length")
+        sampling = sampling or SamplingConfig()
         params = {
             "max_new_tokens": max_new_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
-            "stop_token_ids": stop_ids,
+            "stop_token_ids": list(stop_token_ids),
             "skip_special_tokens": False,
             "no_stop_trim": True,
         }
+        payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
         self.outstanding += 1
         try:
-            out = await self.post(
-                "/generate", {"input_ids": input_ids, "sampling_params": params, "return_logprob": True}
-            )
+            out = await self.post("/generate", payload)
         finally:
             self.outstanding -= 1
-        meta = out["meta_info"]
-        tokens = [int(t) for _, t, _ in meta["output_token_logprobs"]]
-        logprobs = [float(lp) for lp, _, _ in meta["output_token_logprobs"]]
-        versions = [0] * len(tokens)
-        spans = meta.get("weight_versions") or [{"version": meta.get("weight_version"), "start": 0, "end": len(tokens)}]
-        for span in spans:
-            for i in range(span["start"], min(span["end"], len(tokens))):
-                versions[i] = _version(span["version"])
-        finish = (meta.get("finish_reason") or {}).get("type", "abort")
-        return Segment(tokens, logprobs, versions, finish if finish in ("stop", "length") else "abort")
+        return self._segment(out)
 
-    async def health(self) -> bool:
+    def _segment(self, out: Any) -> Segment:
         try:
-            session = await self._session()
-            async with session.get(f"{self.url}/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                return r.status == 200
-        except (aiohttp.ClientError, TimeoutError, ConnectionError):
+            meta = out["meta_info"]
+            triples = meta["output_token_logprobs"]
+            tokens = [int(token) for _, token, _ in triples]
+            logprobs = [float(logprob) for logprob, _, _ in triples]
+            output_ids = out.get("output_ids")
+            finish = meta.get("finish_reason") or {}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineRequestError(self.url, f"/generate: malformed answer ({exc!r}): {str(out)[:500]}", 200) from exc
+        if output_ids is not None and list(output_ids) != tokens:
+            raise EngineRequestError(self.url, "/generate: output_ids and output_token_logprobs disagree", 200)
+        kind = finish.get("type")
+        if kind not in _FINISH:
+            raise EngineRequestError(self.url, f"/generate: unknown finish reason {finish!r}", 200)
+        return Segment(tokens, logprobs, self._versions(meta, len(tokens)), _FINISH[kind])
+
+    def _versions(self, meta: dict[str, Any], n: int) -> list[int]:
+        spans = meta.get("weight_versions")
+        if spans is None:  # a server without per-token spans: the whole answer has its one version
+            return [_parse_version(self.url, meta.get("weight_version"))] * n
+        versions: list[int | None] = [None] * n
+        for span in spans:
+            version = _parse_version(self.url, span["version"])
+            for i in range(span["start"], min(span["end"], n)):
+                versions[i] = version
+        if any(v is None for v in versions):
+            raise EngineRequestError(self.url, f"/generate: weight_versions {spans} do not cover {n} tokens", 200)
+        return [v for v in versions if v is not None]
+
+    # --- control ------------------------------------------------------------------------------------
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """True when `/health` answers 200 (no retries: a probe)."""
+        try:
+            await self.request("GET", "/health", timeout_s=timeout_s, connect_retries=0)
+        except EngineError:
             return False
+        return True
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self.get("/model_info")
 
     async def weight_version(self) -> int:
-        return _version((await self.get("/model_info"))["weight_version"])
+        return _parse_version(self.url, (await self.model_info())["weight_version"])
 
-    async def pause(self, mode: str = "in_place") -> None:
+    async def pause(self, mode: Literal["in_place", "retract", "abort"] = "in_place") -> None:
+        """Stop scheduling forward passes. in_place: running sequences keep their KV cache and continue
+        after `resume()`; retract: they go back to the queue (KV recomputed on resume, cache flushable);
+        abort: they end now with finish reason "abort"."""
         await self.post("/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:
@@ -227,57 +432,169 @@ class SGLangClient:
     async def abort_all(self) -> None:
         await self.post("/abort_request", {"abort_all": True})
 
-    async def flush_cache(self) -> None:
-        await self.post("/flush_cache")
+    async def flush_cache(self, timeout_s: float = 0.0) -> bool:
+        """Drop the prefix cache; False when SGLang refuses because requests are running or queued."""
+        try:
+            await self.post(f"/flush_cache?timeout={timeout_s}")
+        except EngineRequestError as exc:
+            if exc.status == 400:
+                return False
+            raise
+        return True
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        """The engine's parameter `name` (HF naming), first `truncate_size` rows, as nested lists."""
         return await self.post("/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
 
-    async def update_weights_from_disk(self, model_path: str, version: int) -> None:
-        out = await self.post(
-            "/update_weights_from_disk",
-            {"model_path": model_path, "weight_version": str(version), "flush_cache": False},
-        )
-        if not out.get("success", False):
-            raise EngineError(f"{self.url}: update_weights_from_disk failed: {out.get('message')}")
+    # --- weight updates (sync.WeightSender drives these) ---------------------------------------------
+
+    async def update_weights_from_disk(self, model_path: str, version: int, flush_cache: bool = False) -> None:
+        payload = {"model_path": model_path, "weight_version": str(version), "flush_cache": flush_cache}
+        await self._post_checked("/update_weights_from_disk", payload)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str, backend: str
+    ) -> None:
+        payload = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        await self._post_checked("/init_weights_update_group", payload)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self) -> None:
+        await self._post_checked("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> None:
+        await self._post_checked("/end_weight_update", {})
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        version: int | None = None,
+        flattened: bool = False,
+    ) -> None:
+        """Receive one bucket the caller broadcasts as rank 0 of `group_name` (per tensor in this order,
+        or one uint8 tensor of their bytes back to back when `flattened`)."""
+        payload: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": False,  # running sequences keep their KV cache (in-flight update)
+        }
+        if flattened:
+            payload["load_format"] = "flattened_bucket"
+        if version is not None:
+            payload["weight_version"] = str(version)
+        await self._post_checked("/update_weights_from_distributed", payload)
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self._session is not None and not self._session.closed:
+            with contextlib.suppress(RuntimeError):  # its loop may be gone already
+                await self._session.close()
+        self._session = None
+
+
+def _decode(text: str, content_type: str) -> Any:
+    if not text:
+        return None
+    if "json" in content_type:
+        import json
+
+        return json.loads(text)
+    return text
+
+
+def as_generate_fn(client: SGLangClient, sampling: SamplingConfig) -> GenerateFn:
+    """One engine as the pipeline's `GenerateFn` (no retries; see EngineBalancer for several engines)."""
+
+    async def generate(input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int]) -> Segment:
+        return await client.generate(input_ids, max_new_tokens, stop_token_ids, sampling)
+
+    return generate
+
+
+def _retryable(exc: EngineError) -> bool:
+    # A 4xx is the request's fault (e.g. a prompt over the context length): another engine says the same.
+    return not isinstance(exc, EngineRequestError) or exc.status >= 500
 
 
 class EngineBalancer:
-    """A GenerateFn over several engines: least outstanding requests first, failed requests retried.
+    """A `GenerateFn` over several engines: least outstanding requests first (round robin among ties).
 
-    A request whose engine fails (EngineError) is retried on another engine, or on the same one after
-    `on_failure` restarted it, up to `max_retries` times; each retry is counted in `retries`.
+    A request whose engine fails with a retryable EngineError (unavailable, timeout, HTTP 5xx) is retried
+    on another engine, up to `max_retries` times; `failures` counts failed attempts and `retries` the
+    re-sends. An engine whose connection failed is avoided for `down_s` seconds (then tried again), so
+    the least-outstanding rule does not pour requests into a dead engine. `on_failure`, if set, is awaited
+    with the failed client before the retry (the orchestrator restarts the engine there, and may change
+    `client.url`).
     """
 
-    def __init__(self, clients: list[SGLangClient], sampling: SamplingConfig, max_retries: int = 3) -> None:
+    def __init__(
+        self, clients: list[SGLangClient], sampling: SamplingConfig, max_retries: int = 3, down_s: float = 10.0
+    ) -> None:
         if not clients:
             raise ValueError("EngineBalancer needs at least one engine")
-        self.clients, self.sampling, self.max_retries = clients, sampling, max_retries
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.clients, self.sampling, self.max_retries, self.down_s = list(clients), sampling, max_retries, down_s
+        self.requests = 0
         self.retries = 0
         self.failures = 0
-        self.on_failure: Any = None
-        """Optional `async (client) -> None` hook, e.g. restart the engine's server."""
+        self.failures_by_engine = [0] * len(self.clients)
+        self.on_failure: Callable[[SGLangClient], Awaitable[None]] | None = None
+        self._down_until = [0.0] * len(self.clients)
+        self._next = 0
 
-    def _pick(self, exclude: set[int]) -> SGLangClient:
-        candidates = [c for i, c in enumerate(self.clients) if i not in exclude] or self.clients
-        return min(candidates, key=lambda c: c.outstanding)
+    def _pick(self, exclude: set[int]) -> int:
+        n, now = len(self.clients), time.monotonic()
+        order = [(self._next + i) % n for i in range(n)]
+        fresh = [i for i in order if i not in exclude]
+        candidates = [i for i in fresh if self._down_until[i] <= now] or fresh or order
+        best = min(candidates, key=lambda i: self.clients[i].outstanding)  # first minimum: round robin on ties
+        self._next = (best + 1) % n
+        return best
 
-    async def __call__(self, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
+    async def __call__(self, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int]) -> Segment:
+        self.requests += 1
         failed: set[int] = set()
-        for attempt in range(self.max_retries + 1):
-            client = self._pick(failed)
+        attempt = 0
+        while True:
+            index = self._pick(failed)
+            client = self.clients[index]
             try:
-                return await client.generate(input_ids, max_new_tokens, stop_ids, self.sampling)
-            except EngineError:
+                segment = await client.generate(input_ids, max_new_tokens, stop_token_ids, self.sampling)
+            except EngineError as exc:
                 self.failures += 1
-                failed.add(self.clients.index(client))
-                if attempt == self.max_retries:
+                self.failures_by_engine[index] += 1
+                if isinstance(exc, EngineUnavailableError):
+                    self._down_until[index] = time.monotonic() + self.down_s
+                if not _retryable(exc) or attempt == self.max_retries:
                     raise
+                failed.add(index)
+                attempt += 1
                 self.retries += 1
                 if self.on_failure is not None:
                     await self.on_failure(client)
-        raise AssertionError("unreachable")
+                    if await client.health():
+                        self._down_until[index] = 0.0
+                continue
+            self._down_until[index] = 0.0
+            return segment
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "rollout/engine_requests": float(self.requests),
+            "rollout/engine_retries": float(self.retries),
+            "rollout/engine_failures": float(self.failures),
+        }
