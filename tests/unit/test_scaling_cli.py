@@ -1,0 +1,118 @@
+"""`megatron-rl fit`, the recipe comparison and the figure."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from megatron_rl.cli import main as top_main
+from megatron_rl.scaling.cli import main as fit_main
+from megatron_rl.scaling.compare import Result, shared_asymptote
+from megatron_rl.scaling.curves import Curve
+from megatron_rl.scaling.fit import fit_curve
+from megatron_rl.scaling.plot import plot_results
+from megatron_rl.scaling.synthetic import synthetic_curve, write_metrics_jsonl
+
+
+def _run(path, name, A, B, C_mid, seed, **header):
+    compute, R = synthetic_curve(A, B, C_mid, noise=0.005, seed=seed, max_compute=25000)
+    return write_metrics_jsonl(path, compute, R, {"name": name, **header})
+
+
+def _result(label, A, B, C_mid, seed):
+    compute, R = synthetic_curve(A, B, C_mid, noise=0.004, seed=seed, max_compute=25000)
+    return Result(Curve(label, compute, R, label), fit_curve(compute, R, fit_start=1500), None)
+
+
+def test_the_readme_command_fits_predicts_and_plots(tmp_path, capsys):
+    runs = tmp_path / "runs"
+    _run(runs / "a.jsonl", "recipe-a", 0.61, 1.92, 2542, 1)
+    _run(runs / "b.jsonl", "recipe-b", 0.66, 1.50, 4000, 2)
+    out = tmp_path / "out.png"
+    argv = [str(runs / "a.jsonl"), str(runs / "b.jsonl"), "--fit-start", "1500", "--predict-at", "100000"]
+    assert top_main(["fit", *argv, "--plot", str(out), "--bootstrap", "100", "--json", str(tmp_path / "f.json")]) == 0
+    text = capsys.readouterr().out
+    assert "recipe-a" in text and "recipe-b" in text and "R@100000" in text and "90% bootstrap intervals" in text
+    assert out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 20_000
+    fitted = json.loads((tmp_path / "f.json").read_text())["runs"]
+    assert abs(fitted["recipe-a"]["A"] - 0.61) < 0.01 and abs(fitted["recipe-b"]["B"] / 1.5 - 1) < 0.1
+    a = fitted["recipe-a"]
+    assert a["A_lo"] < a["A"] < a["A_hi"]
+    prediction = a["predictions"][0]
+    assert prediction["compute"] == 100000 and prediction["lo"] < prediction["R"] < prediction["hi"]
+
+
+def test_compare_extrapolate_and_label_runs_on_the_command_line(tmp_path, capsys):
+    a = _run(tmp_path / "a.jsonl", "x", 0.61, 2.2, 2500, 1)
+    b = _run(tmp_path / "b.jsonl", "y", 0.62, 1.5, 2500, 2)
+    argv = [f"fast={a}", f"slow={b}", "--fit-start", "1500", "--compare", "--extrapolate-from", "half"]
+    assert fit_main([*argv, "--bootstrap", "100", "--json", str(tmp_path / "f.json")]) == 0
+    text = capsys.readouterr().out
+    assert "refitted with their mean A" in text
+    ranking = [line.split()[0] for line in text.splitlines() if line.startswith("  ") and "B=" in line]
+    assert ranking == ["fast", "slow"]  # higher B first
+    assert "fit up to 12500, predict 25000" in text
+    payload = json.loads((tmp_path / "f.json").read_text())
+    check = payload["runs"]["fast"]["extrapolation"]
+    assert abs(check["error"]) < 0.02 and check["lo"] < check["predicted"] < check["hi"]
+    (group,) = payload["shared_A"]
+    assert set(group["runs"]) == {"fast", "slow"} and group["A"] == pytest.approx(np.mean([0.61, 0.62]), abs=0.01)
+
+
+def test_scaling_axis_from_the_header_sorts_numerically_and_plots(tmp_path, capsys):
+    for batch, C_mid in ((2048, 10909), (512, 2818), (768, 2542)):
+        compute, R = synthetic_curve(0.62, 1.8, C_mid, noise=0.005, seed=batch, max_compute=10 * C_mid)
+        write_metrics_jsonl(
+            tmp_path / f"b{batch}" / "metrics.jsonl", compute, R, {"name": "r", "labels": {"batch": batch}}
+        )
+    out = tmp_path / "axis.svg"
+    runs = [str(tmp_path / f"b{b}") for b in (2048, 512, 768)]  # run directories hold metrics.jsonl
+    assert (
+        fit_main([*runs, "--axis", "labels.batch", "--fit-start", "1500", "--plot", str(out), "--bootstrap", "50"]) == 0
+    )
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("labels.batch")
+    assert [line.split()[0] for line in lines[1:4]] == ["512", "768", "2048"]
+    assert out.read_text().lstrip().startswith("<?xml") and out.with_suffix(".png").is_file()
+
+
+def test_errors_exit_2_with_the_reason(tmp_path, capsys):
+    path = _run(tmp_path / "a.jsonl", "a", 0.61, 1.92, 2542, 1)
+    assert fit_main([str(path), "--metric", "val/pass_rate/code"]) == 2
+    assert "column 'val/pass_rate/code' missing" in capsys.readouterr().err
+    assert fit_main([str(path), "--fit-start", "24000"]) == 2
+    assert "only 3 points after the warm-up cut (fit_start=24000, last compute 25000)" in capsys.readouterr().err
+    assert fit_main([f"a={path}", f"a={path}"]) == 2
+    assert "share the labels ['a']" in capsys.readouterr().err
+    assert fit_main([str(path), "--extrapolate-from", "soon"]) == 2
+    assert fit_main([str(path), "--axis", "labels.batch"]) == 2
+    assert "label key 'labels.batch'" in capsys.readouterr().err
+
+
+def test_shared_asymptote_groups_runs_within_the_margin():
+    results = [
+        _result("a", 0.600, 2.2, 2500, 1),
+        _result("b", 0.612, 1.6, 2500, 2),
+        _result("c", 0.700, 1.8, 3000, 3),  # far above: compared on A, not refitted
+        _result("d", 0.705, 1.8, 3000, 4),
+    ]
+    groups = shared_asymptote(results, margin=0.02, n_boot=30)
+    assert [[r.curve.label for r in g.results] for g in groups] == [["a", "b"], ["c", "d"]]
+    ab = groups[0]
+    assert pytest.approx((results[0].fit.A + results[1].fit.A) / 2) == ab.A
+    assert all(f.A == ab.A for f in ab.refits)
+    assert [r.curve.label for r, _, _ in ab.ranking()] == ["a", "b"]
+    assert ab.boots[0].interval("B")[0] > ab.boots[1].interval("B")[1]  # B's intervals separate
+    assert shared_asymptote(results[1:3], margin=0.02) == []
+
+
+def test_plot_draws_every_run_on_a_log_compute_axis(tmp_path):
+    import matplotlib.image
+
+    results = [_result("a", 0.6, 2.2, 2500, 1), _result("b", 0.7, 1.6, 4000, 2)]
+    (png,) = plot_results(results, tmp_path / "p.png", predict_at=[50000], efficiency=False)
+    image = matplotlib.image.imread(png)
+    assert image.shape[0] > 400 and image.shape[1] > 700
+    assert image[..., :3].std() > 0.1  # not blank
