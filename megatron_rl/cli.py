@@ -17,6 +17,7 @@ import importlib
 import importlib.util
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from megatron_rl.config import ConfigError, list_model_configs, list_recipes, load_config, load_recipe_dict
 
@@ -55,6 +56,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"generators: {r.engine.num_engines} x SGLang TP {r.engine.tp}; {r.mode} k={r.k}; batch "
         f"{r.prompts_per_step} prompts x {r.generations_per_prompt} = {r.completions_per_step} completions"
     )
+    if args.allocation:
+        check_allocation(config, args.allocation)
     if args.write:
         from megatron_rl.config import save_config
 
@@ -62,6 +65,35 @@ def _cmd_check(args: argparse.Namespace) -> int:
         save_config(config, path)
         print(f"wrote {path}")
     return 0
+
+
+def check_allocation(config: Any, allocation: str) -> None:
+    """Fail before anything starts when the recipe's GPU split does not fit `NODESxGPUS_PER_NODE`."""
+    try:
+        nodes, per_node = (int(x) for x in allocation.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--allocation: expected NODESxGPUS_PER_NODE (e.g. 10x8), got {allocation!r}") from None
+    engine, parallel = config.rollout.engine, config.parallel
+    if engine.device == "cpu" and config.compute.device_kind == "cpu_core":
+        print(f"allocation: {nodes} node(s); CPU run (trainer ranks and engines on cores)")
+        return
+    trainer, generators = parallel.trainer_devices, engine.num_engines * engine.tp
+    total = nodes * per_node
+    problems = []
+    if trainer + generators > total:
+        problems.append(
+            f"needs {trainer} trainer + {generators} generator GPUs = {trainer + generators}, "
+            f"allocation has {nodes} x {per_node} = {total}"
+        )
+    if engine.tp > per_node:
+        problems.append(f"rollout.engine.tp={engine.tp} exceeds the {per_node} GPUs of one node")
+    if problems:
+        raise ConfigError("allocation: " + "; ".join(problems))
+    print(
+        f"allocation: {nodes} x {per_node} GPUs = {total}: {trainer} train (TP {parallel.tp} x PP {parallel.pp} "
+        f"x DP {parallel.dp}, EP {parallel.ep}) + {generators} generate ({engine.num_engines} x TP {engine.tp}), "
+        f"{total - trainer - generators} idle"
+    )
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -102,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="resolve and validate a run config and print the plan")
     _add_run_args(check)
     check.add_argument("--write", action="store_true", help="write the resolved config into the run directory")
+    check.add_argument("--allocation", help="NODESxGPUS_PER_NODE: check the GPU split fits (Slurm launch)")
     check.set_defaults(func=_cmd_check)
     run = sub.add_parser("train", help="run (or resume) a ScaleRL training run")
     _add_run_args(run)

@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Ray-on-Slurm bootstrap shared by slurm/scalerl_*.sh (and usable directly with sbatch).
+#
+#   RECIPE=scalerl MODEL=llama3_8b OVERRIDES="rollout.k=4" sbatch slurm/bootstrap.sh
+#
+# 1. checks the recipe's GPU split against the allocation (`megatron-rl check --allocation`), before
+#    anything starts;
+# 2. starts the Ray head on the first node and a Ray worker on every other node (srun, one task per node),
+#    and waits until the cluster has every node;
+# 3. runs `megatron-rl train` on the head node, which places the trainer ranks and SGLang engines on the
+#    cluster's GPUs through Ray (RAY_ADDRESS);
+# 4. on Slurm's pre-timeout signal (#SBATCH --signal=B:USR1@<seconds>) or on scancel's SIGTERM, tells the run
+#    to checkpoint at the end of its step and exit, then requeues the job (#SBATCH --requeue): the requeued
+#    job resumes from that checkpoint (same run name, same output directory).
+#
+# Site-specific set-up (modules, containers, virtual environments) goes in a hook: set MRL_SETUP to a file
+# that is sourced on every node before anything runs (e.g. `module load cuda/12.4; source ~/mrl/.venv/bin/activate`).
+set -euo pipefail
+
+RECIPE=${RECIPE:-scalerl}
+MODEL=${MODEL:-}
+OVERRIDES=${OVERRIDES:-}
+RUN_NAME=${RUN_NAME:-${RECIPE}-${SLURM_JOB_NAME:-job}}
+OUTPUT_DIR=${OUTPUT_DIR:-runs}
+MRL=${MRL:-megatron-rl}
+RAY_PORT=${RAY_PORT:-6379}
+
+if [ -n "${MRL_SETUP:-}" ]; then
+  # shellcheck disable=SC1090
+  source "$MRL_SETUP"
+fi
+
+model_arg=()
+if [ -n "$MODEL" ]; then model_arg=(--model "$MODEL"); fi
+# shellcheck disable=SC2206
+overrides=($OVERRIDES "name=$RUN_NAME" "output_dir=$OUTPUT_DIR")
+
+nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}")
+num_nodes=$(echo "$nodes" | wc -l)
+head_node=$(echo "$nodes" | head -n 1)
+gpus_per_node=${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-0}}
+cpus_per_node=${SLURM_CPUS_ON_NODE:-$(nproc)}
+
+echo "[bootstrap] job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): $num_nodes node(s), $gpus_per_node GPU(s) each; run $RUN_NAME"
+"$MRL" check --recipe "$RECIPE" "${model_arg[@]}" --allocation "${num_nodes}x${gpus_per_node}" "${overrides[@]}"
+
+head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '{print $1}')
+export RAY_ADDRESS="$head_ip:$RAY_PORT"
+srun --nodes=1 --ntasks=1 -w "$head_node" --overlap \
+  ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" --num-cpus="$cpus_per_node" \
+  --num-gpus="$gpus_per_node" --disable-usage-stats --block &
+ray_pids=($!)
+for node in $(echo "$nodes" | tail -n +2); do
+  srun --nodes=1 --ntasks=1 -w "$node" --overlap \
+    ray start --address="$RAY_ADDRESS" --num-cpus="$cpus_per_node" --num-gpus="$gpus_per_node" --block &
+  ray_pids+=($!)
+done
+for _ in $(seq 1 120); do
+  alive=$(python -c "import ray; ray.init(address='$RAY_ADDRESS', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))" 2>/dev/null || echo 0)
+  if [ "$alive" -ge "$num_nodes" ]; then break; fi
+  sleep 2
+done
+echo "[bootstrap] Ray cluster up at $RAY_ADDRESS with $alive node(s)"
+
+stop_requested=0
+forward() {  # checkpoint and exit at the end of the current step, then requeue
+  stop_requested=1
+  echo "[bootstrap] $1 received: asking the run to checkpoint and stop"
+  kill -USR1 "$train_pid" 2>/dev/null || true
+}
+trap 'forward USR1' USR1
+trap 'forward TERM' TERM
+
+"$MRL" train --recipe "$RECIPE" "${model_arg[@]}" "${overrides[@]}" &
+train_pid=$!
+status=0
+while kill -0 "$train_pid" 2>/dev/null; do
+  wait "$train_pid" || status=$?
+done
+wait "$train_pid" 2>/dev/null || status=$?
+
+ray stop --force >/dev/null 2>&1 || true
+kill "${ray_pids[@]}" 2>/dev/null || true
+
+if [ "$stop_requested" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
+  echo "[bootstrap] requeueing job $SLURM_JOB_ID to resume from the checkpoint"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+exit "$status"

@@ -1,0 +1,155 @@
+"""`sbatch` on a real single-node Slurm (Debian's slurmctld/slurmd/munge on localhost), CPU recipe.
+
+The job runs slurm/bootstrap.sh — the same script the GPU launchers exec — which starts a Ray cluster,
+checks the allocation and runs `megatron-rl train`. A second job gets Slurm's pre-timeout signal
+(scancel --signal=USR1 --batch): it must checkpoint, requeue itself, and the requeued job must resume
+from that checkpoint at the next step. The GPU launch scripts are checked statically.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import build_parser
+from megatron_rl.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+
+
+def _sh(cmd: str, **kw) -> str:
+    return subprocess.run(cmd, shell=True, check=True, capture_output=True, text=True, **kw).stdout
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    if os.geteuid() != 0:
+        pytest.skip("starting slurmctld/slurmd needs root")
+    out = subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "start"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+    yield
+    subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "stop"], capture_output=True)
+
+
+def _submit(tmp: Path, name: str, overrides: str) -> str:
+    setup = tmp / "setup.sh"
+    setup.write_text(f"export PATH={VENV_BIN}:$PATH\nexport PYTHONWARNINGS=ignore WANDB_MODE=offline\n")
+    env = dict(
+        os.environ,
+        RECIPE="scalerl-cpu",
+        OVERRIDES=overrides,
+        RUN_NAME=name,
+        OUTPUT_DIR=str(tmp / "runs"),
+        MRL_SETUP=str(setup),
+        MRL=str(VENV_BIN / "megatron-rl"),
+        RAY_PORT=str(6380 + os.getpid() % 1000),
+    )
+    out = _sh(
+        f"sbatch --parsable --job-name={name} --nodes=1 --cpus-per-task=2 --requeue "
+        f"--output={tmp}/{name}-%j-%R.out {ROOT}/slurm/bootstrap.sh",
+        env=env,
+        cwd=tmp,
+    )
+    return out.strip().split(";")[0]
+
+
+def _state(job: str) -> tuple[str, int]:
+    out = _sh(f"scontrol show job {job}")
+    state = re.search(r"JobState=(\S+)", out).group(1)
+    restarts = int(re.search(r"Restarts=(\d+)", out).group(1))
+    return state, restarts
+
+
+def _wait(job: str, done, timeout: float = 900) -> tuple[str, int]:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        state, restarts = _state(job)
+        if done(state, restarts):
+            return state, restarts
+        time.sleep(3)
+    raise AssertionError(f"job {job} still {_state(job)} after {timeout} s")
+
+
+def _rows(tmp: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp / "runs" / name / "metrics.jsonl").read_text().splitlines()[1:]]
+
+
+def _logs(tmp: Path, name: str) -> str:
+    return "\n".join(p.read_text() for p in sorted(tmp.glob(f"{name}-*.out")))
+
+
+SMALL = (
+    "data.val_prompts=8 eval.every_steps=100 eval.samples_per_prompt=2 rollout.prompts_per_step=4 "
+    "rollout.generations_per_prompt=4 checkpoint.every_steps=100"
+)
+
+
+@pytest.mark.slow
+def test_sbatch_runs_the_recipe_to_completion(tmp_path, slurm):
+    job = _submit(tmp_path, "done", f"total_steps=3 {SMALL}")
+    state, _ = _wait(job, lambda s, r: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+    assert state == "COMPLETED", _logs(tmp_path, "done")[-4000:]
+    steps = [r["step"] for r in _rows(tmp_path, "done") if "train/loss" in r]
+    assert steps == [1, 2, 3]
+    assert (tmp_path / "runs" / "done" / "checkpoints" / "latest").read_text() == "step_00000003"
+    assert "Ray cluster up" in _logs(tmp_path, "done")
+
+
+@pytest.mark.slow
+def test_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path, slurm):
+    job = _submit(tmp_path, "requeue", f"total_steps=400 {SMALL}")
+    # wait until training steps are being logged, then send Slurm's pre-timeout signal to the batch shell
+    deadline = time.time() + 600
+    metrics = tmp_path / "runs" / "requeue" / "metrics.jsonl"
+    while not (metrics.exists() and sum("train/loss" in line for line in metrics.read_text().splitlines()) >= 2):
+        assert time.time() < deadline, _logs(tmp_path, "requeue")[-4000:]
+        time.sleep(2)
+    _sh(f"scancel --signal=USR1 --batch {job}")
+    _wait(job, lambda s, r: r >= 1)  # the job requeued itself
+    first = [r["step"] for r in _rows(tmp_path, "requeue") if "train/loss" in r]
+    checkpoint = (tmp_path / "runs" / "requeue" / "checkpoints" / "latest").read_text()
+    assert checkpoint == f"step_{first[-1]:08d}"  # checkpointed at the step it stopped
+    # the requeued job resumes from that checkpoint at the next step
+    while True:
+        rows = [r["step"] for r in _rows(tmp_path, "requeue") if "train/loss" in r]
+        if len(rows) > len(first):
+            break
+        assert time.time() < deadline + 600, _logs(tmp_path, "requeue")[-4000:]
+        time.sleep(3)
+    assert rows[len(first)] == first[-1] + 1
+    assert "resumed from" in _logs(tmp_path, "requeue")
+    _sh(f"scancel {job}")
+
+
+@pytest.mark.parametrize("script", ["scalerl_moe.sh", "scalerl_dense.sh"])
+def test_gpu_launch_scripts_match_their_recipe(script):
+    text = (ROOT / "slurm" / script).read_text()
+    header = dict(re.findall(r"#SBATCH --([\w-]+)=(\S+)", text))
+    model = re.search(r"MODEL=\$\{MODEL:-(\w+)\}", text).group(1)
+    recipe = re.search(r"RECIPE=\$\{RECIPE:-([\w-]+)\}", text).group(1)
+    run = load_config(recipe, model, [])
+    gpus = int(header["nodes"]) * int(header["gpus-per-node"])
+    needed = run.parallel.trainer_devices + run.rollout.engine.num_engines * run.rollout.engine.tp
+    assert gpus == needed, f"{script}: {gpus} GPUs requested, the recipe uses {needed}"
+    assert "requeue" in text and "--signal=B:USR1@" in text
+
+
+def test_bootstrap_passes_only_existing_options():
+    text = (ROOT / "slurm" / "bootstrap.sh").read_text()
+    parser = build_parser()
+    subcommands = parser._subparsers._group_actions[0].choices  # noqa: SLF001 (argparse has no public API)
+    for line in re.findall(r'"\$MRL" (\w+) ([^\n]*)', text):
+        sub, rest = line
+        assert sub in subcommands
+        options = {tok for tok in shlex.split(rest.replace('"', "")) if tok.startswith("--")}
+        known = {opt for action in subcommands[sub]._actions for opt in action.option_strings}  # noqa: SLF001
+        assert options <= known, f"{sub}: unknown options {options - known}"

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# A real single-node Slurm on this machine, from Debian's packages, for the launch test
+# (tests/integration/test_slurm.py) and for trying slurm/ locally:
+#
+#   bash tools/slurm_localhost.sh start     # install if needed, configure, start munged/slurmctld/slurmd
+#   bash tools/slurm_localhost.sh stop
+#
+# Needs root (it writes /etc/slurm/slurm.conf and runs the daemons). The node is this host with all its
+# cores and no GPUs; no cgroups (proctrack/linuxproc, task/none), so it also works inside containers.
+set -euo pipefail
+action=${1:-start}
+STATE=/var/spool/megatron_rl_slurm
+
+stop() {
+  pkill -x slurmd 2>/dev/null || true
+  pkill -x slurmctld 2>/dev/null || true
+  sleep 1
+}
+
+if [ "$action" = stop ]; then stop; exit 0; fi
+
+if [ "$(id -u)" != 0 ]; then
+  echo "slurm_localhost.sh: needs root to configure and run the Slurm daemons" >&2
+  exit 3
+fi
+if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge >/dev/null
+fi
+
+stop
+host=$(hostname -s)
+cpus=$(nproc)
+memory=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 1024 ))
+mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" /var/log/slurm /run/munge
+cat > /etc/slurm/slurm.conf <<CONF
+ClusterName=megatron_rl
+SlurmctldHost=$host(127.0.0.1)
+SlurmUser=root
+AuthType=auth/munge
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/d
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+JobRequeue=1
+ReturnToService=2
+KillWait=30
+MinJobAge=600
+NodeName=$host NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$memory State=UNKNOWN
+PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+CONF
+
+chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null || true
+if ! pgrep -x munged >/dev/null; then
+  sudo_munge() { if command -v runuser >/dev/null; then runuser -u munge -- "$@"; else "$@" --force; fi; }
+  sudo_munge /usr/sbin/munged
+fi
+/usr/sbin/slurmctld
+/usr/sbin/slurmd
+for _ in $(seq 1 30); do
+  if sinfo -h -o %T 2>/dev/null | grep -qE "idle|mixed|alloc"; then
+    echo "slurm up: $(sinfo -h -o '%P %D %T %c')"
+    exit 0
+  fi
+  sleep 1
+done
+echo "slurm_localhost.sh: the node did not come up" >&2
+tail -20 /var/log/slurm/slurmctld.log /var/log/slurm/slurmd.log >&2
+exit 1
