@@ -1,82 +1,241 @@
-"""Scaling-curve fit: speed (1,000 bootstrap refits; paper vs fast procedure), accuracy on Table 1, calibration.
+"""Scaling-curve fit: speed, accuracy on the paper's Table 1, interval calibration, paper procedure vs ours.
 
-    python benchmarks/bench_scaling_fit.py [--seeds 100] [--plot docs/scaling_example.png]
+    OMP_NUM_THREADS=1 python benchmarks/bench_scaling_fit.py [--seeds 100] [--paper-seeds 5] [--json out.json]
 
-Curves: the paper's Table 1 parameters (SCALERL.md §1), 75 evaluations evenly spaced up to 20 x C_mid plus
-the step-0 point, Gaussian noise 0.01, warm-up cut min(1500, C_mid / 2).
+Curves (megatron_rl/scaling/synthetic.py): Table 1 parameters (SCALERL.md §1), R0 = 0.30, the step-0 point
+plus 75 evaluations evenly spaced in compute (an evaluation every 100 steps at a constant cost per step)
+up to 10 x C_mid (the math+code curves share one run: 10 x the math C_mid), Gaussian noise; warm-up cut
+at the paper's 1.5k GPU-hours. A second geometry repeats the 8B run of the paper's Figure 1 (74
+evaluations over 100k GPU-hours, 39 x C_mid: only a handful of points below C_mid).
+
+Printed (markdown, pasted into benchmarks/README.md):
+1. time of one fit (fast vs paper), of 1,000 bootstrap refits of one 75-point curve (batched, and for
+   reference one scipy `least_squares` per refit);
+2. per Table 1 row and noise level, over `--seeds` seeds: median and 95th-percentile errors of A, B,
+   C_mid and of R at the final compute predicted from the first half, and the share of seeds within the
+   targets (A 0.01, B 10%, C_mid 15%, prediction 0.02);
+3. coverage of the 90% bootstrap intervals (A, B, C_mid, and R at the final compute fitted on the first
+   half) over the same seeds, noise 0.01;
+4. paper procedure vs fast on `--paper-seeds` seeds per row: errors, squared-error ratio, time.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
+import os
+import platform
 import time
 
-from megatron_rl.scaling.compare import Result
-from megatron_rl.scaling.curves import Curve
-from megatron_rl.scaling.fit import bootstrap, extrapolation_check, fit_curve, sigmoid
-from megatron_rl.scaling.synthetic import R0, TABLE1, synthetic_curve
+import numpy as np
+from scipy.optimize import least_squares
+from tqdm import tqdm
+
+from megatron_rl.scaling import bootstrap, extrapolation_check, fit_curve, sigmoid
+from megatron_rl.scaling.synthetic import R0, TABLE1, synthetic_curve, table1_curve
+
+FIT_START = 1500.0
+TARGETS = {"A": 0.01, "B": 0.10, "C_mid": 0.15, "R_final": 0.02}
+
+
+def _timed(fn, repeat: int) -> float:
+    """Median wall time of `repeat` calls, in seconds."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _seeds(row: int, n: int, offset: int = 0) -> range:
+    """Distinct noise seeds per Table 1 row, so that rows are independent trials."""
+    return range(offset + 1000 * row, offset + 1000 * row + n)
+
+
+def timing() -> dict[str, float]:
+    compute, R = table1_curve("scalerl-8b", noise=0.01, seed=0)
+    fit = fit_curve(compute, R, fit_start=FIT_START)
+    points = fit.points
+    t_fast = _timed(lambda: fit_curve(compute, R, fit_start=FIT_START), 20)
+    t_paper = _timed(lambda: fit_curve(compute, R, fit_start=FIT_START, method="paper"), 3)
+    t_boot = _timed(lambda: bootstrap(fit, n=1000), 5)
+
+    def scipy_bootstrap(n: int = 1000) -> None:  # the straightforward loop, for reference
+        rng = np.random.default_rng(0)
+        fitted = fit.predict(points.compute)
+        residuals = points.R - fitted
+        for _ in range(n):
+            sample = fitted + rng.choice(residuals, residuals.size)
+            least_squares(
+                lambda x, s=sample: sigmoid(points.compute, x[0], x[1], x[2], R0) - s,
+                [fit.A, fit.B, fit.C_mid],
+                bounds=([R0, 0.05, 1.0], [1.0, 20.0, 1e7]),
+                x_scale=[0.1, 1.0, 1000.0],
+            )
+
+    t_scipy = _timed(scipy_bootstrap, 1)
+    return {"fit_fast_s": t_fast, "fit_paper_s": t_paper, "bootstrap_1000_s": t_boot, "scipy_1000_s": t_scipy}
+
+
+def recovery(seeds: int, noise: float, geometry: str = "table1") -> dict[str, dict[str, float]]:
+    """Per row: errors over seeds of the full fit and of the final R predicted from the first half."""
+    out = {}
+    for row, (name, (C_mid, B, A)) in enumerate(tqdm(TABLE1.items(), desc=f"recovery noise {noise}", leave=False)):
+        errors = []
+        for seed in _seeds(row, seeds):
+            if geometry == "figure1":  # the 8B run of Figure 1: 74 evaluations over 100k GPU-hours
+                compute, R = synthetic_curve(A, B, C_mid, noise=noise, seed=seed, points=74, max_compute=1e5)
+            else:
+                compute, R = table1_curve(name, noise=noise, seed=seed)
+            fit = fit_curve(compute, R, fit_start=FIT_START)
+            half = compute <= compute.max() / 2
+            head = fit_curve(compute[half], R[half], fit_start=FIT_START)
+            truth = sigmoid([compute.max()], A, B, C_mid, R0)[0]
+            errors.append(
+                [
+                    abs(fit.A - A),
+                    abs(fit.B / B - 1),
+                    abs(fit.C_mid / C_mid - 1),
+                    abs(head.predict([compute.max()])[0] - truth),
+                ]
+            )
+        e = np.array(errors)
+        row = {"span": float(compute.max() / C_mid)}
+        for j, key in enumerate(TARGETS):
+            row[f"{key}_median"] = float(np.median(e[:, j]))
+            row[f"{key}_p95"] = float(np.quantile(e[:, j], 0.95))
+            row[f"{key}_pass"] = float(np.mean(e[:, j] <= TARGETS[key]))
+        out[name] = row
+    return out
+
+
+def calibration(seeds: int, noise: float, n_boot: int = 200) -> dict[str, dict[str, float]]:
+    out = {}
+    for row, (name, (C_mid, B, A)) in enumerate(tqdm(TABLE1.items(), desc="calibration", leave=False)):
+        covered = {"A": 0, "B": 0, "C_mid": 0, "R_final": 0}
+        for seed in _seeds(row, seeds, offset=50_000):
+            compute, R = table1_curve(name, noise=noise, seed=seed)
+            boot = bootstrap(fit_curve(compute, R, fit_start=FIT_START), n=n_boot, seed=seed)
+            for key, value in (("A", A), ("B", B), ("C_mid", C_mid)):
+                lo, hi = boot.interval(key)
+                covered[key] += lo <= value <= hi
+            check = extrapolation_check(compute, R, compute.max() / 2, FIT_START, n_boot=n_boot, seed=seed)
+            lo, hi = check.boot.predict_interval([compute.max()])
+            covered["R_final"] += lo[0] <= sigmoid([compute.max()], A, B, C_mid, R0)[0] <= hi[0]
+        out[name] = {key: n / seeds for key, n in covered.items()}
+    return out
+
+
+def paper_vs_fast(seeds: int, noise: float) -> dict[str, dict[str, float]]:
+    out = {}
+    bar = tqdm(total=len(TABLE1) * seeds, desc="paper vs fast", leave=False)
+    for row, (name, (C_mid, B, A)) in enumerate(TABLE1.items()):
+        rows = []
+        for seed in _seeds(row, seeds):
+            compute, R = table1_curve(name, noise=noise, seed=seed)
+            start = time.perf_counter()
+            fast = fit_curve(compute, R, fit_start=FIT_START)
+            t_fast = time.perf_counter() - start
+            start = time.perf_counter()
+            paper = fit_curve(compute, R, fit_start=FIT_START, method="paper")
+            t_paper = time.perf_counter() - start
+            rows.append(
+                [
+                    abs(fast.A - A),
+                    abs(paper.A - A),
+                    abs(fast.B / B - 1),
+                    abs(paper.B / B - 1),
+                    abs(fast.C_mid / C_mid - 1),
+                    abs(paper.C_mid / C_mid - 1),
+                    (fast.rmse / paper.rmse) ** 2,
+                    t_fast,
+                    t_paper,
+                ]
+            )
+            bar.update(1)
+        m = np.array(rows)
+        keys = ["A_fast", "A_paper", "B_fast", "B_paper", "C_fast", "C_paper", "sse_ratio", "t_fast", "t_paper"]
+        out[name] = dict(zip(keys, np.median(m, axis=0).tolist(), strict=True))
+        out[name]["sse_ratio_max"] = float(m[:, 6].max())
+    bar.close()
+    return out
+
+
+def _print_recovery(title: str, rec: dict[str, dict[str, float]]) -> None:
+    print(f"\n{title}\n")
+    print(
+        "| run | span x C_mid | A err median / p95 | B rel. err median / p95 | C_mid rel. err median / p95 "
+        "| R(final) from half, err median / p95 | seeds within A / B / C_mid / R targets |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in rec.items():
+        passes = " / ".join(f"{r[f'{k}_pass']:.0%}" for k in TARGETS)
+        print(
+            f"| {name} | {r['span']:.0f} | {r['A_median']:.4f} / {r['A_p95']:.4f} | {r['B_median']:.1%} / "
+            f"{r['B_p95']:.1%} | {r['C_mid_median']:.1%} / {r['C_mid_p95']:.1%} | {r['R_final_median']:.4f} / "
+            f"{r['R_final_p95']:.4f} | {passes} |"
+        )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=100)
-    parser.add_argument("--noise", type=float, default=0.01)
-    parser.add_argument("--plot", default=None, help="also write an example figure (three Table-1 runs)")
+    parser.add_argument("--paper-seeds", type=int, default=5, help="seeds per row for the (slow) paper procedure")
+    parser.add_argument("--json", default=None, help="also write every number here")
     args = parser.parse_args()
 
-    c, r = synthetic_curve(0.610, 1.92, 2542, noise=args.noise, seed=0)
-    start = time.perf_counter()
-    fast = fit_curve(c, r, fit_start=1500)
-    t_fast = time.perf_counter() - start
-    start = time.perf_counter()
-    paper = fit_curve(c, r, fit_start=1500, method="paper")
-    t_paper = time.perf_counter() - start
-    start = time.perf_counter()
-    bootstrap(c, r, fast, n=1000)
-    t_boot = time.perf_counter() - start
-    print("timing (75-point curve)")
-    print(f"  fast fit             {t_fast * 1e3:8.1f} ms   A={fast.A:.4f} B={fast.B:.3f} C_mid={fast.C_mid:.0f}")
-    print(f"  paper fit (grid)     {t_paper * 1e3:8.1f} ms   A={paper.A:.4f} B={paper.B:.3f} C_mid={paper.C_mid:.0f}")
-    print(f"  1,000 bootstraps     {t_boot:8.2f} s    (target < 10 s)")
-
     print(
-        f"\nrecovery on Table 1 (noise {args.noise}, seed 0): error of A, relative error of B and C_mid, extrapolation"
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"numpy {np.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
-    print(f"  {'run':<16}{'dA':>9}{'dB/B':>9}{'dC/C':>9}{'R(end) from half':>20}")
-    for name, (C_mid, B, A) in TABLE1.items():
-        c, r = synthetic_curve(A, B, C_mid, noise=args.noise, seed=0)
-        fit_start = min(1500.0, C_mid / 2)
-        f = fit_curve(c, r, fit_start=fit_start)
-        e = extrapolation_check(c, r, cut=c.max() / 2, fit_start=fit_start, n_boot=100)
-        truth = float(sigmoid([c.max()], A, B, C_mid, R0)[0])
+    t = timing()
+    print("\n| what (75-point curve) | time |")
+    print("|---|---:|")
+    print(f"| one fit, fast (ours) | {t['fit_fast_s'] * 1e3:.1f} ms |")
+    print(f"| one fit, paper's grid (7,100 `curve_fit` calls) | {t['fit_paper_s']:.2f} s |")
+    print(f"| 1,000 bootstrap refits, batched (ours) | {t['bootstrap_1000_s']:.3f} s |")
+    print(f"| 1,000 bootstrap refits, one scipy `least_squares` each (reference) | {t['scipy_1000_s']:.2f} s |")
+
+    results: dict[str, object] = {"timing": t}
+    for noise in (0.005, 0.01):
+        rec = recovery(args.seeds, noise)
+        results[f"recovery_{noise}"] = rec
+        _print_recovery(f"Recovery, Table 1 curves, noise {noise}, {args.seeds} seeds", rec)
+    fig1 = recovery(args.seeds, 0.01, geometry="figure1")
+    results["recovery_figure1_0.01"] = fig1
+    _print_recovery(
+        f"Recovery, Figure 1 geometry (74 evaluations over 100k GPU-hours), noise 0.01, {args.seeds} seeds", fig1
+    )
+
+    cal = calibration(args.seeds, 0.01)
+    results["calibration_0.01"] = cal
+    print(f"\nCoverage of the 90% bootstrap intervals, noise 0.01, {args.seeds} seeds, 200 refits each\n")
+    print("| run | A | B | C_mid | R(final) fitted on the first half |")
+    print("|---|---:|---:|---:|---:|")
+    for name, c in cal.items():
+        print(f"| {name} | {c['A']:.0%} | {c['B']:.0%} | {c['C_mid']:.0%} | {c['R_final']:.0%} |")
+    mean = {k: float(np.mean([c[k] for c in cal.values()])) for k in ("A", "B", "C_mid", "R_final")}
+    print(f"| all rows | {mean['A']:.1%} | {mean['B']:.1%} | {mean['C_mid']:.1%} | {mean['R_final']:.1%} |")
+
+    pvf = paper_vs_fast(args.paper_seeds, 0.01)
+    results["paper_vs_fast_0.01"] = pvf
+    print(f"\nPaper procedure vs fast, noise 0.01, median over {args.paper_seeds} seeds per row\n")
+    print(
+        "| run | A err fast / paper | B rel. err fast / paper | C_mid rel. err fast / paper "
+        "| SSE fast / paper (median, max) | time fast / paper |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for name, p in pvf.items():
         print(
-            f"  {name:<16}{f.A - A:>+9.4f}{f.B / B - 1:>+9.3f}{f.C_mid / C_mid - 1:>+9.3f}{e.predicted - truth:>+20.4f}"
+            f"| {name} | {p['A_fast']:.4f} / {p['A_paper']:.4f} | {p['B_fast']:.1%} / {p['B_paper']:.1%} | "
+            f"{p['C_fast']:.1%} / {p['C_paper']:.1%} | {p['sse_ratio']:.3f}, {p['sse_ratio_max']:.3f} | "
+            f"{p['t_fast'] * 1e3:.0f} ms / {p['t_paper']:.1f} s |"
         )
-
-    print(f"\ncalibration of the 90% bootstrap interval over {args.seeds} seeds (scalerl-8b parameters, 300 refits)")
-    C_mid, B, A = TABLE1["scalerl-8b"]
-    hits = {"A": 0, "B": 0, "C_mid": 0}
-    for seed in range(args.seeds):
-        c, r = synthetic_curve(A, B, C_mid, noise=args.noise, seed=1000 + seed)
-        f = fit_curve(c, r, fit_start=1500)
-        boot = bootstrap(c, r, f, n=300, seed=seed)
-        for name, truth in (("A", A), ("B", B), ("C_mid", C_mid)):
-            lo, hi = boot.interval(name)
-            hits[name] += lo <= truth <= hi
-    for name, count in hits.items():
-        print(f"  {name:<6} covered in {count / args.seeds:.0%} of seeds (target 80-98%)")
-
-    if args.plot:
-        from megatron_rl.scaling.plot import plot_results
-
-        results = []
-        for name in ("scalerl-8b", "moe-17bx16", "multitask-code"):
-            C_mid, B, A = TABLE1[name]
-            c, r = synthetic_curve(A, B, C_mid, noise=0.008, seed=3, points=75, span=6)
-            f = fit_curve(c, r, fit_start=1500)
-            results.append(Result(Curve(name, c, r, "synthetic"), f, bootstrap(c, r, f, n=300)))
-        title = "Table-1-like synthetic runs: fit to the data, extrapolate to 100k"
-        print(f"\nwrote {plot_results(results, args.plot, predict_at=1e5, title=title)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
 
 
 if __name__ == "__main__":

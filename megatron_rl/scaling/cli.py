@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl.scaling.plot import plot_results
 
         ylabel = "validation pass rate" if args.metric == "val/pass_rate" else args.metric
-        title = args.title or (f"scaling axis: {args.axis}" if args.axis else None)
+        title = args.title
         written = plot_results(
             results,
             args.plot,
@@ -185,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             xlabel=f"compute ({args.compute_col})" if args.compute_col != "device_hours" else "compute (device-hours)",
             efficiency=not args.no_efficiency,
             ordered=args.axis is not None,
+            axis=args.axis,
             efficiency_fits={r.curve.label: f for g in shared for r, f in zip(g.results, g.refits, strict=True)},
         )
         print("wrote " + ", ".join(map(str, written)))

@@ -21,7 +21,7 @@ def _palette(n: int, ordered: bool) -> list:
 
     if ordered and n > 1:  # a scaling axis: a sequential map makes the order visible
         cmap = matplotlib.colormaps["viridis"]
-        return [cmap(0.85 * i / (n - 1)) for i in range(n)]
+        return [cmap(0.78 * i / (n - 1)) for i in range(n)]
     colors = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
     return [colors[i % len(colors)] for i in range(n)]
 
@@ -36,14 +36,17 @@ def plot_results(
     efficiency: bool = True,
     ordered: bool = False,
     efficiency_fits: dict[str, Fit] | None = None,
+    axis: str | None = None,
 ) -> list[Path]:
     """Write the figure to `out` (.png, or .svg plus a .png next to it); returns the files written.
     `efficiency_fits` (label -> fit) replaces runs' own fits in the efficiency view, e.g. by their
-    shared-A refits, so that the slopes compare B at one asymptote as the paper does."""
+    shared-A refits, so that the slopes compare B at one asymptote as the paper does. With `axis` (a label
+    key such as `labels.batch`), legends read `batch=512`."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     predict_at = predict_at or []
     if efficiency:
@@ -54,9 +57,10 @@ def plot_results(
     colors = _palette(len(results), ordered)
     x_max = max([float(r.curve.compute.max()) for r in results] + predict_at)
     for color, r in zip(colors, results, strict=True):
-        _draw_run(ax, r, color, x_max, predict_at)
+        name = f"{axis.rsplit('.', 1)[-1]}={r.curve.label}" if axis else r.curve.label
+        _draw_run(ax, r, name, color, x_max, predict_at)
         if eff is not None:
-            _draw_efficiency(eff, r, color, (efficiency_fits or {}).get(r.curve.label))
+            _draw_efficiency(eff, r, name, color, (efficiency_fits or {}).get(r.curve.label))
     fit_starts = {r.fit.fit_start for r in results}
     if len(fit_starts) == 1 and (fit_start := fit_starts.pop()) > 0:
         ax.axvline(fit_start, color="0.5", lw=0.9, ls="-.", label=f"fit start {fit_start:g} (warm-up cut)")
@@ -72,6 +76,7 @@ def plot_results(
     if eff is not None:
         eff.set_xscale("log")
         eff.set_yscale("log")
+        eff.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # within a decade they collide
         eff.set_xlabel(f"{xlabel}, log scale")
         eff.set_ylabel("F(R) = C_mid^B / ((A - R0) / (R - R0) - 1)")
         eff.set_title("efficiency view: log F(R) vs log C has slope B", fontsize=11)
@@ -89,7 +94,7 @@ def plot_results(
     return written
 
 
-def _draw_run(ax, r: Result, color, x_max: float, predict_at: list[float]) -> None:
+def _draw_run(ax, r: Result, name: str, color, x_max: float, predict_at: list[float]) -> None:
     c, R = r.curve.compute, r.curve.R
     check = r.extrapolation
     fit, boot = (check.fit, check.boot) if check is not None else (r.fit, r.boot)
@@ -111,7 +116,7 @@ def _draw_run(ax, r: Result, color, x_max: float, predict_at: list[float]) -> No
     inside, beyond = grid <= data_end, grid >= data_end
     interval = boot.interval("A") if boot is not None else None
     A_text = f"A={fit.A:.3f}" + (f" [{interval[0]:.3f}, {interval[1]:.3f}]" if interval else "")
-    label = f"{r.curve.label}: {A_text}, B={fit.B:.2f}, C_mid={compact(fit.C_mid)}"
+    label = f"{name}: {A_text}, B={fit.B:.2f}, C_mid={compact(fit.C_mid)}"
     if check is not None:
         label += f" (fit to {compact(cut)})"
     ax.plot(grid[inside], fit.predict(grid[inside]), color=color, lw=2, label=label, zorder=2)
@@ -134,17 +139,21 @@ def compact(x: float) -> str:
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def _draw_efficiency(eff, r: Result, color, fit: Fit | None = None) -> None:
+def _draw_efficiency(eff, r: Result, name: str, color, fit: Fit | None = None) -> None:
     fit = fit or r.fit
     points = fit.points
     if points is None:
         return
+    # F(R) divides the noise by the gain still to come, which vanishes near A: show the part of the run where
+    # the fitted curve is between 5% and 90% of its gain (selecting on the observed R would bias the points).
+    share = (fit.predict(points.compute) - fit.R0) / (fit.A - fit.R0)
+    informative = (share > 0.05) & (share < 0.9)
+    if informative.sum() < 2:
+        return
     F = fit.efficiency(points.R)
-    # Near R0 and A, F(R) divides noise by a vanishing gain: show the points between 5% and 95% of it.
-    share = (points.R - fit.R0) / (fit.A - fit.R0)
-    keep = np.isfinite(F) & (share > 0.05) & (share < 0.95)
-    if keep.any():
-        eff.scatter(points.compute[keep], F[keep], s=10, color=color, alpha=0.75)
-    grid = np.geomspace(points.compute.min(), points.compute.max(), 100)
+    keep = informative & np.isfinite(F) & (F > 0)
+    eff.scatter(points.compute[keep], F[keep], s=10, color=color, alpha=0.75)
+    c = points.compute[informative]
+    grid = np.geomspace(c.min(), c.max(), 100)
     shared = f", shared A={fit.A:.3f}" if fit is not r.fit else ""
-    eff.plot(grid, grid**fit.B, color=color, lw=1.6, label=f"{r.curve.label}: slope B={fit.B:.2f}{shared}")
+    eff.plot(grid, grid**fit.B, color=color, lw=1.6, label=f"{name}: slope B={fit.B:.2f}{shared}")
