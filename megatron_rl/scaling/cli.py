@@ -148,15 +148,27 @@ def _payload(results: list[Result], args: argparse.Namespace, shared: list) -> d
     return {"axis": args.axis, "fit_start": args.fit_start, "method": args.method, "runs": runs, "shared_A": groups}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_args(args: argparse.Namespace) -> str | None:
     if args.extrapolate_from not in (None, "half"):
         try:
             float(args.extrapolate_from)
         except ValueError:
-            message = f"--extrapolate-from must be a compute or 'half', got {args.extrapolate_from!r}"
-            print(f"megatron-rl fit: {message}", file=sys.stderr)
-            return 2
+            return f"--extrapolate-from must be a compute or 'half', got {args.extrapolate_from!r}"
+    if not 0 < args.level < 1:
+        return f"--level must be in (0, 1), got {args.level}"
+    if args.bootstrap < 0:
+        return f"--bootstrap must be >= 0, got {args.bootstrap}"
+    if args.compute_scale <= 0:
+        return f"--compute-scale must be > 0, got {args.compute_scale}"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    problem = _check_args(args)
+    if problem:
+        print(f"megatron-rl fit: {problem}", file=sys.stderr)
+        return 2
     try:
         curves = _load(args)
         results = _fit(curves, args)

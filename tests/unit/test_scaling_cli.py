@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,8 +90,20 @@ def test_errors_exit_2_with_the_reason(tmp_path, capsys):
     assert fit_main([f"a={path}", f"a={path}"]) == 2
     assert "share the labels ['a']" in capsys.readouterr().err
     assert fit_main([str(path), "--extrapolate-from", "soon"]) == 2
+    assert "'half', got 'soon'" in capsys.readouterr().err
+    assert fit_main([str(path), "--level", "90"]) == 2
+    assert "--level must be in (0, 1)" in capsys.readouterr().err
     assert fit_main([str(path), "--axis", "labels.batch"]) == 2
     assert "label key 'labels.batch'" in capsys.readouterr().err
+
+
+def test_the_thin_script_runs_the_same_command(tmp_path):
+    path = _run(tmp_path / "a.jsonl", "scripted", 0.61, 1.92, 2542, 1)
+    script = Path(__file__).resolve().parents[2] / "tools" / "fit_scaling_curve.py"
+    command = [sys.executable, str(script), str(path), "--fit-start", "1500", "--bootstrap", "0"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[1].startswith("scripted")
 
 
 def test_shared_asymptote_groups_runs_within_the_margin():
