@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import time
@@ -184,12 +183,29 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=100)
     parser.add_argument("--paper-seeds", type=int, default=5, help="seeds per row for the (slow) paper procedure")
     parser.add_argument("--json", default=None, help="also write every number here")
+    parser.add_argument("--only", choices=["timing", "recovery", "calibration", "paper"], default=None)
     args = parser.parse_args()
+    sections = [args.only] if args.only else ["timing", "recovery", "calibration", "paper"]
 
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
         f"numpy {np.__version__}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}"
     )
+    results: dict[str, object] = {}
+    if "timing" in sections:
+        results["timing"] = _report_timing()
+    if "recovery" in sections:
+        results.update(_report_recovery(args.seeds))
+    if "calibration" in sections:
+        results["calibration_0.01"] = _report_calibration(args.seeds)
+    if "paper" in sections:
+        results["paper_vs_fast_0.01"] = _report_paper(args.paper_seeds)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+def _report_timing() -> dict[str, float]:
     t = timing()
     print("\n| what (75-point curve) | time |")
     print("|---|---:|")
@@ -197,31 +213,37 @@ def main() -> None:
     print(f"| one fit, paper's grid (7,100 `curve_fit` calls) | {t['fit_paper_s']:.2f} s |")
     print(f"| 1,000 bootstrap refits, batched (ours) | {t['bootstrap_1000_s']:.3f} s |")
     print(f"| 1,000 bootstrap refits, one scipy `least_squares` each (reference) | {t['scipy_1000_s']:.2f} s |")
+    return t
 
-    results: dict[str, object] = {"timing": t}
+
+def _report_recovery(seeds: int) -> dict[str, object]:
+    results: dict[str, object] = {}
     for noise in (0.005, 0.01):
-        rec = recovery(args.seeds, noise)
+        rec = recovery(seeds, noise)
         results[f"recovery_{noise}"] = rec
-        _print_recovery(f"Recovery, Table 1 curves, noise {noise}, {args.seeds} seeds", rec)
-    fig1 = recovery(args.seeds, 0.01, geometry="figure1")
+        _print_recovery(f"Recovery, Table 1 curves, noise {noise}, {seeds} seeds", rec)
+    fig1 = recovery(seeds, 0.01, geometry="figure1")
     results["recovery_figure1_0.01"] = fig1
-    _print_recovery(
-        f"Recovery, Figure 1 geometry (74 evaluations over 100k GPU-hours), noise 0.01, {args.seeds} seeds", fig1
-    )
+    title = f"Recovery, Figure 1 geometry (74 evaluations over 100k GPU-hours), noise 0.01, {seeds} seeds"
+    _print_recovery(title, fig1)
+    return results
 
-    cal = calibration(args.seeds, 0.01)
-    results["calibration_0.01"] = cal
-    print(f"\nCoverage of the 90% bootstrap intervals, noise 0.01, {args.seeds} seeds, 200 refits each\n")
+
+def _report_calibration(seeds: int) -> dict[str, dict[str, float]]:
+    cal = calibration(seeds, 0.01)
+    print(f"\nCoverage of the 90% bootstrap intervals, noise 0.01, {seeds} seeds, 200 refits each\n")
     print("| run | A | B | C_mid | R(final) fitted on the first half |")
     print("|---|---:|---:|---:|---:|")
     for name, c in cal.items():
         print(f"| {name} | {c['A']:.0%} | {c['B']:.0%} | {c['C_mid']:.0%} | {c['R_final']:.0%} |")
     mean = {k: float(np.mean([c[k] for c in cal.values()])) for k in ("A", "B", "C_mid", "R_final")}
     print(f"| all rows | {mean['A']:.1%} | {mean['B']:.1%} | {mean['C_mid']:.1%} | {mean['R_final']:.1%} |")
+    return cal
 
-    pvf = paper_vs_fast(args.paper_seeds, 0.01)
-    results["paper_vs_fast_0.01"] = pvf
-    print(f"\nPaper procedure vs fast, noise 0.01, median over {args.paper_seeds} seeds per row\n")
+
+def _report_paper(seeds: int) -> dict[str, dict[str, float]]:
+    pvf = paper_vs_fast(seeds, 0.01)
+    print(f"\nPaper procedure vs fast, noise 0.01, median over {seeds} seeds per row\n")
     print(
         "| run | A err fast / paper | B rel. err fast / paper | C_mid rel. err fast / paper "
         "| SSE fast / paper (median, max) | time fast / paper |"
@@ -233,9 +255,7 @@ def main() -> None:
             f"{p['C_fast']:.1%} / {p['C_paper']:.1%} | {p['sse_ratio']:.3f}, {p['sse_ratio_max']:.3f} | "
             f"{p['t_fast'] * 1e3:.0f} ms / {p['t_paper']:.1f} s |"
         )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x)
+    return pvf
 
 
 if __name__ == "__main__":
