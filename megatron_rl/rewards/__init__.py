@@ -1,6 +1,7 @@
 """Rewards per task: a registry from task name to reward function, and failure accounting.
 
     REWARDS["math"](completion_text, prompt, cfg) -> RewardResult
+    REWARDS["code"](completion_text, prompt, cfg) -> RewardResult   (rewards/code.py, in the sandbox)
 
 `score` is what the pipeline calls: it looks the task up and turns an exception inside a reward
 function into a counted failure ('reward_error') with the incorrect reward, never a crash.
@@ -13,6 +14,7 @@ from collections.abc import Callable
 
 from megatron_rl.config import RewardsConfig
 from megatron_rl.data.datasets import Prompt
+from megatron_rl.rewards.code import code_reward
 from megatron_rl.rewards.math import RewardResult, math_reward
 
 log = logging.getLogger(__name__)
@@ -25,8 +27,14 @@ def _math(completion: str, prompt: Prompt, cfg: RewardsConfig) -> RewardResult:
     return math_reward(completion, prompt.answer, cfg)
 
 
+def _code(completion: str, prompt: Prompt, cfg: RewardsConfig) -> RewardResult:
+    assert prompt.tests is not None  # the code schema requires it (data/datasets.py)
+    return code_reward(completion, prompt.tests, cfg)
+
+
 REWARDS: dict[str, RewardFn] = {
     "math": _math,
+    "code": _code,
 }
 
 

@@ -1,0 +1,227 @@
+"""Code reward: the completion's final program, run against the task's tests in the sandbox.
+
+    "<think>...</think> ```python\\nn = int(input())\\nprint(3 * n + 4)\\n```"  +  tests  ->  RewardResult
+
+The program is the last fenced block after the thinking part (rewards/math.py `answer_part`). Three test
+formats, all a dict in `Prompt.tests` (data/datasets.py):
+
+- stdin/stdout (APPS/TACO/DeepCoder `input_output`): {"inputs": ["5\\n", ...], "outputs": ["19\\n", ...]}.
+  One sandbox run per case; outputs are compared as whitespace-normalised lines (each line's runs of
+  whitespace collapsed, leading/trailing blank lines ignored), as code-RL graders do.
+- call-based: {"fn_name": "f", "inputs": [[arg, ...], ...], "outputs": [value, ...]}. The function is
+  `f` at top level, or a method of `class Solution` (LeetCode style). An input given as a string is
+  LiveCodeBench's form, one JSON value per line; an output wrapped in a one-element list also matches
+  (TACO stores them so). All cases run in one sandbox run; only the inputs enter the sandbox, the
+  returned values are compared on the host (after a JSON round trip: tuples read as lists).
+- assert-based: {"asserts": ["assert f(1) == 2", ...]}: each statement runs after the program, in its
+  namespace, in one sandbox run.
+
+Reward: `cfg.correct` if every test passes, else `cfg.incorrect`; with `code_partial_credit` it is
+interpolated by the fraction of tests passed. The failure reason is that of the first failing test:
+'no_code', 'compile_error', 'wrong_answer', 'timeout', 'memory', 'crash', 'output_limit'.
+Without partial credit, the cases still pending after the first failure are cancelled.
+
+Synchronous (it blocks on the sandbox pool), so call it from a reward worker process (rewards/workers.py).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from megatron_rl.config import RewardsConfig
+from megatron_rl.rewards.math import RewardResult, answer_part
+from megatron_rl.rewards.sandbox import EXIT_COMPILE_ERROR, EXIT_MEMORY, RunResult, get_sandbox
+
+FAILURES = ("no_code", "compile_error", "wrong_answer", "timeout", "memory", "crash", "output_limit")
+
+_FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+
+# Runs in the sandbox next to solution.py and cases.json; writes one JSON line per case to the original
+# stdout, with the solution's own prints sent to /dev/null so they cannot be mistaken for results.
+HARNESS = (
+    f"""
+import json, os, sys, traceback
+COMPILE_ERROR, MEMORY = {EXIT_COMPILE_ERROR}, {EXIT_MEMORY}
+"""
+    + r"""
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    with open(os.path.join(here, "cases.json")) as f:
+        spec = json.load(f)
+    results = os.fdopen(os.dup(1), "w")
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    with open(os.path.join(here, "solution.py"), "rb") as f:
+        source = f.read()
+    try:
+        code = compile(source, "solution.py", "exec")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        traceback.print_exc(limit=0)
+        sys.stderr.flush()
+        os._exit(COMPILE_ERROR)
+    namespace = {"__name__": "solution", "__builtins__": __builtins__}
+    try:
+        exec(code, namespace)
+    except MemoryError:
+        os._exit(MEMORY)
+    if spec["kind"] == "call":
+        fn = namespace.get(spec["fn_name"])
+        if fn is None and "Solution" in namespace:
+            fn = getattr(namespace["Solution"](), spec["fn_name"], None)
+        if fn is None:
+            raise NameError("no function or Solution method named " + spec["fn_name"])
+    for case in spec["cases"]:
+        try:
+            if spec["kind"] == "call":
+                value = fn(*case)
+                line = json.dumps({"ok": True, "value": value}, default=repr)
+            else:
+                exec(compile(case, "<assert>", "exec"), namespace)
+                line = json.dumps({"ok": True})
+        except MemoryError:
+            os._exit(MEMORY)
+        except AssertionError:
+            line = json.dumps({"ok": False, "error": "AssertionError"})
+        except Exception as exc:
+            line = json.dumps({"ok": False, "error": type(exc).__name__})
+        results.write(line + "\n")
+        results.flush()
+
+main()
+"""
+)
+
+
+def extract_program(completion: str) -> str | None:
+    """The last fenced code block after the thinking part, or None if there is none."""
+    final = answer_part(completion)
+    if final is None:
+        return None
+    blocks = _FENCE.findall(final)
+    if not blocks or not blocks[-1].strip():
+        return None
+    return blocks[-1]
+
+
+def normalise_output(text: str) -> list[str]:
+    """Lines with whitespace runs collapsed; leading and trailing blank lines dropped."""
+    return [" ".join(line.split()) for line in text.strip().splitlines()]
+
+
+def code_reward(completion: str, tests: dict[str, Any], cfg: RewardsConfig) -> RewardResult:
+    _check_tests(tests)
+    program = extract_program(completion)
+    if program is None:
+        return RewardResult(cfg.incorrect, False, "no_code")
+    if "asserts" in tests:
+        outcomes = _run_harness(program, "assert", list(tests["asserts"]), [None] * len(tests["asserts"]), cfg)
+    elif "fn_name" in tests and tests["fn_name"]:
+        inputs = [_call_args(x) for x in tests["inputs"]]
+        expected = [_call_value(y) for y in tests["outputs"]]
+        outcomes = _run_harness(program, "call", inputs, expected, cfg, fn_name=tests["fn_name"])
+    else:
+        outcomes = _run_stdio(program, [_text(x) for x in tests["inputs"]], [_text(y) for y in tests["outputs"]], cfg)
+    failures = [outcome for outcome in outcomes if outcome is not None]
+    if not failures:
+        return RewardResult(cfg.correct, True)
+    if cfg.code_partial_credit:
+        passed = outcomes.count(None) / len(outcomes)
+        return RewardResult(cfg.incorrect + (cfg.correct - cfg.incorrect) * passed, False, failures[0])
+    return RewardResult(cfg.incorrect, False, failures[0])
+
+
+def _check_tests(tests: dict[str, Any]) -> None:
+    if "asserts" in tests:
+        if not isinstance(tests["asserts"], list) or not tests["asserts"]:
+            raise ValueError("code tests: 'asserts' must be a non-empty list of statements")
+        return
+    if "inputs" not in tests or "outputs" not in tests:
+        raise ValueError(
+            f"code tests need 'inputs' and 'outputs' (and 'fn_name' if call-based) or 'asserts'; got {sorted(tests)}"
+        )
+    if not tests["inputs"] or len(tests["inputs"]) != len(tests["outputs"]):
+        counts = f"{len(tests['inputs'])} inputs, {len(tests['outputs'])} outputs"
+        raise ValueError(f"code tests need as many outputs as inputs, at least one; got {counts}")
+
+
+def _text(value: Any) -> str:
+    """A stdin/stdout case as text: some datasets store a case as a list of lines."""
+    return "\n".join(str(v) for v in value) if isinstance(value, list) else str(value)
+
+
+def _call_args(value: Any) -> list[Any]:
+    if isinstance(value, str):  # LiveCodeBench: one JSON argument per line
+        return [json.loads(line) for line in value.splitlines() if line.strip()]
+    if not isinstance(value, list):
+        raise ValueError(f"call-based inputs must be argument lists, got {type(value).__name__}")
+    return value
+
+
+def _call_value(value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            return value
+    return value
+
+
+def _matches(got: Any, expected: Any) -> bool:
+    if got == expected:
+        return True
+    # TACO wraps call-based outputs in a one-element list.
+    return isinstance(expected, list) and len(expected) == 1 and got == expected[0]
+
+
+def _run_stdio(program: str, inputs: list[str], outputs: list[str], cfg: RewardsConfig) -> list[str | None]:
+    """One sandbox run per case; None for a pass, else the failure reason."""
+    sandbox = get_sandbox(cfg.sandbox)
+    futures = [sandbox.submit(program, stdin.encode()) for stdin in inputs]
+    outcomes: list[str | None] = []
+    for future, expected in zip(futures, outputs, strict=True):
+        if future.cancelled():
+            outcomes.append("cancelled")
+            continue
+        result = future.result()
+        outcome = _failure(result)
+        if outcome is None and normalise_output(result.stdout.decode(errors="replace")) != normalise_output(expected):
+            outcome = "wrong_answer"
+        outcomes.append(outcome)
+        if outcome is not None and not cfg.code_partial_credit:
+            for pending in futures:
+                pending.cancel()
+    return outcomes
+
+
+def _run_harness(
+    program: str, kind: str, cases: list[Any], expected: list[Any], cfg: RewardsConfig, fn_name: str = ""
+) -> list[str | None]:
+    """All cases in one sandbox run; a case without a result line failed the way the run ended."""
+    spec = {"kind": kind, "fn_name": fn_name, "cases": cases}
+    result = get_sandbox(cfg.sandbox).run(HARNESS, files={"solution.py": program, "cases.json": json.dumps(spec)})
+    lines = result.stdout.decode(errors="replace").splitlines()
+    outcomes: list[str | None] = []
+    ended = _failure(result) or "crash"  # exited 0 before reporting every case: it cut the harness short
+    for index, want in enumerate(expected):
+        if index >= len(lines):
+            outcomes.append(ended)
+            continue
+        try:
+            record = json.loads(lines[index])
+        except json.JSONDecodeError:
+            outcomes.append("crash")
+            continue
+        if not isinstance(record, dict) or not record.get("ok"):
+            error = record.get("error") if isinstance(record, dict) else None
+            outcomes.append("wrong_answer" if error == "AssertionError" else "crash")
+        elif kind == "call" and not _matches(record.get("value"), want):
+            outcomes.append("wrong_answer")
+        else:
+            outcomes.append(None)
+    return outcomes
+
+
+def _failure(result: RunResult) -> str | None:
+    return None if result.status == "ok" else result.status

@@ -1,0 +1,279 @@
+"""The code sandbox against an escape corpus: every attempt is contained, with the right failure reason,
+and the host is unchanged afterwards (no processes left, no files written outside the scratch directory).
+
+Needs bubblewrap (tools/install_sandbox.sh); without it these tests skip and one test checks the refusal.
+"""
+
+import dataclasses
+import os
+import socket
+import subprocess
+import uuid
+
+import psutil
+import pytest
+
+from megatron_rl.config import SandboxConfig
+from megatron_rl.rewards import sandbox as sandbox_module
+from megatron_rl.rewards.sandbox import Sandbox, SandboxUnavailable, get_sandbox, isolation_problem
+
+# Generous wall time: the CI machine has 2 cores shared with other tests; limits are about containment.
+CFG = SandboxConfig(wall_time_s=20.0, cpu_time_s=2.0, memory_mb=256, max_processes=8, max_output_bytes=1 << 16)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+needs_isolation = pytest.mark.skipif(
+    isolation_problem(CFG) is not None, reason=f"no isolation here: {isolation_problem(CFG)}"
+)
+
+
+def sandbox_processes() -> list[psutil.Process]:
+    """Live processes that belong to a sandbox: bwrap, or anything running as the sandbox uid."""
+    found = []
+    for process in psutil.process_iter(["name", "uids", "status"]):
+        info = process.info
+        if info["status"] == psutil.STATUS_ZOMBIE or info["uids"] is None:
+            continue
+        if info["name"] == "bwrap" or sandbox_module.SANDBOX_UID in (info["uids"].real, info["uids"].effective):
+            found.append(process)
+    return found
+
+
+@pytest.fixture
+def box():
+    """The sandbox pool, and the check that the host is clean after the test."""
+    assert sandbox_processes() == []
+    yield get_sandbox(CFG)
+    leftover = sandbox_processes()
+    assert leftover == [], [(p.pid, p.info["name"]) for p in leftover]
+
+
+@needs_isolation
+def test_correct_program_runs(box):
+    result = box.run("import sys\nprint(sum(int(x) for x in sys.stdin.read().split()))", stdin=b"1 2 3\n")
+    assert (result.status, result.exit_code, result.stdout) == ("ok", 0, b"6\n")
+    with pytest.raises(ValueError, match="plain name"):
+        box.run("print(1)", files={"../x": "1"})
+
+
+@needs_isolation
+def test_compile_error_and_crash_are_told_apart(box):
+    assert box.run("def f(:\n  pass").status == "compile_error"
+    assert box.run("raise ValueError('boom')").status == "crash"
+    assert box.run("import sys; sys.exit(3)").exit_code == 3
+
+
+@needs_isolation
+def test_network_is_unreachable(box):
+    # A listener on the host's loopback: the sandbox has its own loopback, so it never gets a connection.
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    server.settimeout(0.5)
+    program = f"""
+import socket
+for address in [("1.1.1.1", 80), ("127.0.0.1", {port})]:
+    try:
+        socket.create_connection(address, timeout=2)
+        print("CONNECTED", address)
+    except OSError as exc:
+        print("blocked", address, type(exc).__name__)
+socket.create_connection(("8.8.8.8", 53), timeout=2)
+"""
+    result = box.run(program)
+    server_accepted = True
+    try:
+        server.accept()
+    except TimeoutError:
+        server_accepted = False
+    finally:
+        server.close()
+    assert result.status == "crash"
+    assert b"CONNECTED" not in result.stdout and result.stdout.count(b"blocked") == 2
+    assert not server_accepted
+
+
+@needs_isolation
+def test_cannot_write_outside_scratch(box):
+    marker = f"megatron_rl_escape_{uuid.uuid4().hex}"
+    targets = [f"/tmp/{marker}", f"/dev/shm/{marker}", f"/sandbox/{marker}", f"{REPO}/{marker}", f"/{marker}"]
+    program = f"""
+import os
+for path in {targets!r}:
+    try:
+        with open(path, "w") as f:
+            f.write("escaped")
+        print("wrote", path)
+    except OSError as exc:
+        print("refused", path, type(exc).__name__)
+open({REPO + "/" + marker!r}, "w")
+"""
+    result = box.run(program)
+    assert result.status == "crash"
+    # Scratch (/tmp) and /dev/shm are writable inside, and private: nothing of it reaches the host.
+    assert f"wrote /tmp/{marker}".encode() in result.stdout
+    for path in targets + [f"/root/{marker}"]:
+        assert not os.path.exists(path), path
+
+
+@needs_isolation
+def test_secrets_are_not_readable(box, tmp_path, monkeypatch):
+    secret = uuid.uuid4().hex
+    monkeypatch.setenv("MEGATRON_RL_TEST_SECRET", secret)
+    host_file = tmp_path / "secret.txt"
+    host_file.write_text(secret)
+    host_file.chmod(0o644)
+    tmp_path.chmod(0o755)
+    paths = [str(host_file), "/etc/shadow", "/etc/passwd", "/root/.bashrc", f"{REPO}/pyproject.toml",
+             f"/proc/{os.getpid()}/environ", "/proc/1/environ", f"/proc/{os.getppid()}/cmdline"]  # fmt: skip
+    program = f"""
+import os
+print(dict(os.environ))
+print(sorted(os.listdir("/")), sorted(os.listdir("/proc"))[:50])
+for path in {paths!r}:
+    try:
+        with open(path, "rb") as f:
+            print("READ", path, f.read()[:200])
+    except OSError as exc:
+        print("denied", path, type(exc).__name__)
+open({str(host_file)!r})
+"""
+    result = box.run(program)
+    assert result.status == "crash"
+    assert secret.encode() not in result.stdout + result.stderr
+    assert b"MEGATRON_RL_TEST_SECRET" not in result.stdout
+    # Only the program's own /proc/1 is there: the host's files and processes are absent.
+    read = [line for line in result.stdout.splitlines() if line.startswith(b"READ")]
+    assert all(line.startswith(b"READ /proc/1/environ") for line in read), read
+    assert b"'work'" not in result.stdout and b"'root'" not in result.stdout and b"'etc'" not in result.stdout
+
+
+@needs_isolation
+def test_fork_bomb_is_contained(box):
+    result = box.run("import os\nwhile True:\n    os.fork()")
+    assert result.status == "crash"
+    assert b"BlockingIOError" in result.stderr
+
+
+@needs_isolation
+def test_memory_bomb_is_contained(box):
+    assert box.run("blocks = []\nwhile True:\n    blocks.append(bytearray(1 << 24))").status == "memory"
+    assert box.run("x = bytearray(10 ** 12)").status == "memory"
+
+
+@needs_isolation
+def test_infinite_loop_times_out(box):
+    result = box.run("while True:\n    pass")
+    assert result.status == "timeout"
+
+
+@needs_isolation
+def test_sleeping_program_hits_the_wall_clock():
+    box = Sandbox(SandboxConfig(wall_time_s=1.0, cpu_time_s=1.0, memory_mb=256))
+    try:
+        assert box.run("import time\ntime.sleep(60)").status == "timeout"
+    finally:
+        box.close()
+    assert sandbox_processes() == []
+
+
+@needs_isolation
+def test_huge_output_is_cut(box):
+    result = box.run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)")
+    assert result.status == "output_limit"
+    assert len(result.stdout) <= CFG.max_output_bytes
+    # Through stderr too, and as a file in scratch (RLIMIT_FSIZE).
+    assert box.run("import sys\nwhile True:\n    sys.stderr.write('x' * 65536)").status == "output_limit"
+    big_file = "with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * 65536)"
+    assert box.run(big_file).status == "crash"
+
+
+@needs_isolation
+def test_cannot_signal_the_parent_or_host_processes(box):
+    # A host process running as the sandbox's own uid: the most a signal could reach.
+    victim = subprocess.Popen(
+        ["sleep", "60"], user=sandbox_module.SANDBOX_UID if os.geteuid() == 0 else None, start_new_session=True
+    )
+    try:
+        program = f"""
+import os, signal
+for target in ({os.getpid()}, {os.getppid()}, {victim.pid}, os.getppid()):
+    try:
+        os.kill(target, signal.SIGKILL)
+        print("signalled", target)
+    except OSError as exc:
+        print("refused", target, type(exc).__name__)
+os.kill(-1, signal.SIGKILL)
+os.killpg({os.getpgid(0)}, signal.SIGKILL)
+"""
+        result = box.run(program)
+        assert victim.poll() is None  # still running
+        assert result.status == "crash"
+        for pid in (os.getpid(), victim.pid):
+            assert f"refused {pid} ProcessLookupError".encode() in result.stdout
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@needs_isolation
+def test_daemon_is_killed_with_the_program(box, tmp_path):
+    marker = tmp_path / "daemon_was_here"
+    program = f"""
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        time.sleep(3)
+        open({str(marker)!r}, "w")
+        os._exit(0)
+    os._exit(0)
+print("parent exits")
+"""
+    result = box.run(program)
+    assert (result.status, result.stdout) == ("ok", b"parent exits\n")
+    # The fixture checks that no sandbox process is left; the daemon never gets to write.
+    assert not marker.exists()
+
+
+@needs_isolation
+def test_killed_on_timeout_with_children(box):
+    program = """
+import os, time
+for _ in range(4):
+    if os.fork() == 0:
+        os.setsid()
+        break
+time.sleep(60)
+"""
+    cfg = SandboxConfig(wall_time_s=1.5, cpu_time_s=1.0, memory_mb=256)
+    short = Sandbox(cfg)
+    try:
+        assert short.run(program).status == "timeout"
+    finally:
+        short.close()
+
+
+@needs_isolation
+def test_pool_runs_many_concurrently(box):
+    results = box.map([(f"print({i} * 2)", b"") for i in range(12)])
+    assert [r.stdout for r in results] == [f"{i * 2}\n".encode() for i in range(12)]
+
+
+def test_refuses_without_isolation(monkeypatch):
+    monkeypatch.setattr(sandbox_module, "_probe_results", {})
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
+    with pytest.raises(SandboxUnavailable, match="bubblewrap"):
+        Sandbox(CFG)
+
+
+def test_unisolated_development_mode_is_loud(monkeypatch, caplog):
+    monkeypatch.setattr(sandbox_module, "_probe_results", {})
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
+    box = Sandbox(dataclasses.replace(CFG, allow_unisolated=True))
+    try:
+        assert "UNISOLATED" in caplog.text
+        assert not box.isolated
+        assert box.run("print(int(input()) + 1)", stdin=b"41\n").stdout == b"42\n"
+        assert box.run("while True:\n    pass").status == "timeout"
+        assert box.run("import os\nprint(os.getcwd())").stdout.strip().endswith(b"/tmp")
+    finally:
+        box.close()
