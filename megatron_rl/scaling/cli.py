@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from megatron_rl.scaling.plot import plot_results
 
-        ylabel = "validation pass rate" if args.metric == "val/pass_rate" else args.metric
+        ylabel = "validation pass rate" if args.metric.startswith("val/pass_rate") else args.metric
+        if args.metric != "val/pass_rate":
+            ylabel += f" ({args.metric})" if ylabel != args.metric else ""
         title = args.title
         written = plot_results(
             results,
