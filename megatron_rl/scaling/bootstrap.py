@@ -74,6 +74,19 @@ class Bootstrap:
             curves = curves + rng.choice(self.residuals, size=curves.shape, replace=True)
         return self._quantiles(curves, level)
 
+    def warnings(self) -> list[str]:
+        """Reasons not to trust the intervals: A's interval reaching a bound of its search range means the
+        points do not pin the asymptote down yet (more compute, or a lower --fit-start, is needed)."""
+        notes = []
+        lo, hi = self.interval("A")
+        A_lo, A_hi = self.fit.A_bounds
+        if A_lo < A_hi and (hi > A_hi - 1e-3 or lo < A_lo + 1e-3):
+            notes.append(
+                f"A's {self.level:.0%} interval [{lo:.3f}, {hi:.3f}] reaches the bound of [{A_lo:.3f}, {A_hi:.3f}]: "
+                "the asymptote is not identified yet"
+            )
+        return notes
+
     def as_dict(self, level: float | None = None) -> dict[str, float]:
         out = {}
         for name in PARAMS:

@@ -51,6 +51,8 @@ def fit_run(
     fit = fit_curve(curve.compute, curve.R, R0=R0, fit_start=fit_start, method=method, progress=grid_progress)
     fit.warnings = curve.notes + fit.warnings
     boot = bootstrap(fit, n=n_boot, level=level, seed=seed) if n_boot else None
+    if boot is not None:
+        fit.warnings += boot.warnings()
     check = None
     if extrapolate_from is not None:
         check = extrapolation_check(

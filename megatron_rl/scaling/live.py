@@ -29,7 +29,7 @@ def live_prediction(
     """Fit the validation points in `rows` (metrics rows, as `megatron_rl.metrics.read_metrics` returns
     them; rows without `metric` are skipped) and return `scaling/A`, `scaling/A_lo`, `scaling/A_hi`
     (the `level` interval), `scaling/B`, `scaling/C_mid`, `scaling/R0`, `scaling/rmse`, `scaling/points`
-    and `scaling/degenerate` (1.0 when the fit warned).
+    and `scaling/degenerate` (1.0 when the fit or its interval warned; `reason` says why).
 
     Cheap enough for every evaluation: one fast fit and `n_boot` refits in one batch (a few ms). Never
     raises on data: while there are fewer than `min_points` points after `fit_start`, or the fit fails,
@@ -49,7 +49,9 @@ def live_prediction(
         fit = fit_curve(compute, R, fit_start=fit_start)
     except FitError as exc:
         return LivePrediction(reason=str(exc))
-    lo, hi = bootstrap(fit, n=n_boot, level=level).interval("A")
+    boot = bootstrap(fit, n=n_boot, level=level)
+    lo, hi = boot.interval("A")
+    notes = fit.warnings + boot.warnings()
     metrics = {
         "scaling/A": fit.A,
         "scaling/A_lo": lo,
@@ -59,6 +61,6 @@ def live_prediction(
         "scaling/R0": fit.R0,
         "scaling/rmse": fit.rmse,
         "scaling/points": float(fit.n_points),
-        "scaling/degenerate": float(bool(fit.warnings)),
+        "scaling/degenerate": float(bool(notes)),
     }
-    return LivePrediction(metrics, reason="; ".join(fit.warnings))
+    return LivePrediction(metrics, reason="; ".join(notes))

@@ -7,7 +7,7 @@ import pytest
 
 from megatron_rl.scaling import bootstrap, extrapolation_check, fit_curve, sigmoid
 from megatron_rl.scaling.fit import Fit, FitError
-from megatron_rl.scaling.synthetic import R0, TABLE1, table1_curve
+from megatron_rl.scaling.synthetic import R0, TABLE1, synthetic_curve, table1_curve
 
 SEEDS = 100
 
@@ -49,6 +49,16 @@ def test_bootstrap_is_reproducible_and_keeps_a_fixed_a():
     fixed = bootstrap(fit_curve(compute, R, fit_start=1500, A_fixed=0.585), n=50)
     assert (fixed.samples[:, 0] == 0.585).all()
     assert fixed.samples[:, 1].std() > 0
+
+
+def test_an_interval_reaching_the_bound_of_a_warns():
+    # Only the rising half of the curve: the data cannot tell where it levels off.
+    compute, R = synthetic_curve(0.61, 1.92, 2542, noise=0.01, seed=0, points=20, max_compute=2500)
+    boot = bootstrap(fit_curve(compute, R), n=200)
+    assert boot.interval("A")[1] == pytest.approx(1.0, abs=1e-3)
+    assert "not identified yet" in boot.warnings()[0]
+    compute, R = table1_curve("scalerl-8b", noise=0.01, seed=0)
+    assert bootstrap(fit_curve(compute, R, fit_start=1500), n=200).warnings() == []
 
 
 def test_bootstrap_refuses_what_it_cannot_do():

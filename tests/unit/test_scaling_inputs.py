@@ -141,5 +141,9 @@ def test_live_prediction_waits_for_points_then_reports_a_with_its_interval():
     # Junk in the rows (None from non-finite logging, strings) is skipped, never raised.
     junk = rows + [{"device_hours": None, "val/pass_rate": 0.5}, {"device_hours": "x", "val/pass_rate": 0.4}]
     assert live_prediction(junk, fit_start=1500, n_boot=20)["scaling/A"] == pytest.approx(out["scaling/A"])
+    compute, R = synthetic_curve(0.61, 1.92, 2542, noise=0.01, seed=0, points=20, max_compute=2500)
+    rising = [{"device_hours": c, "val/pass_rate": r} for c, r in zip(compute, R, strict=True)]  # no plateau yet
+    unsure = live_prediction(rising, n_boot=50)
+    assert unsure["scaling/degenerate"] == 1.0 and "not identified" in unsure.reason
     flat = [{"device_hours": float(i), "val/pass_rate": 1.0} for i in range(20)]
     assert live_prediction(flat) == {} and "A_max" in live_prediction(flat).reason
