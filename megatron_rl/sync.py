@@ -8,8 +8,8 @@
 One update, for both transports:
 1. `/pause_generation` on every engine (mode `in_place` by default: running sequences stop between two
    forward passes and keep their KV cache; PipelineRL's in-flight update. `retract` sends them back to
-   the queue instead and flushes the prefix cache after the update, so every token after the update is
-   computed from the new weights only, at the cost of recomputing the running sequences' prompts).
+   the queue instead, so every token after the update is computed from the new weights only, at the
+   cost of recomputing the running sequences' KV).
 2. `distributed` (default): `/begin_weight_update`, then per bucket `/update_weights_from_distributed`
    with the bucket's names, dtypes and shapes while the trainer, rank 0 of a process group that holds
    every engine rank (NCCL on GPUs, gloo on CPU), broadcasts the bucket as one flat byte tensor
@@ -17,7 +17,9 @@ One update, for both transports:
    bucket carries the new weight version; then `/end_weight_update` (SGLang >= 0.5.23 rejects updates
    outside that bracket). `disk`: the weights are written as safetensors to `disk_dir` (which every
    engine must see) and loaded with `/update_weights_from_disk`.
-3. `/continue_generation`. SGLang stamps every token generated after the update with the new version.
+3. `/flush_cache` (drop prefix-cache KV of the old weights; SGLang refuses while sequences are running,
+   so after an in-place pause it succeeds only on an idle engine), then `/continue_generation`. SGLang
+   stamps every token generated after the update with the new version.
 
 A failure while weights are being sent raises SyncError and leaves the engines paused with partly
 updated weights (resuming would generate from a mix of two policies); the caller restarts them or sends
@@ -208,7 +210,13 @@ class WeightSender:
                 total, count = self._send_disk([first, *stream], version), 1
             else:
                 total, count = self._send_distributed(first, stream, version)
-            if self.pause_mode == "retract" and not all(self._all("flush_cache")):
+            # SGLang's prefix cache still holds KV computed with the old weights; a new request sharing a
+            # cached prefix would reuse it. It can only be dropped while no request runs: always after a
+            # retracting pause, and after an in-place pause when the engine happened to be idle (e.g.
+            # between PPO-off-policy rounds). Otherwise stale prefixes age out like the KV of running
+            # sequences (PipelineRL semantics); `sync/cache_flushed` says which happened.
+            flushed = all(self._all("flush_cache"))
+            if self.pause_mode == "retract" and not flushed:
                 raise SyncError("flush_cache refused after a retracting pause (requests still running)")
         except Exception as exc:
             raise SyncError(
@@ -221,6 +229,7 @@ class WeightSender:
             "sync/paused_seconds": time.perf_counter() - paused,
             "sync/bytes": float(total),
             "sync/buckets": float(count),
+            "sync/cache_flushed": float(flushed),
             "sync/gb_per_s": total / 1e9 / seconds,
         }
 
@@ -262,7 +271,7 @@ class WeightSender:
         directory = Path(tempfile.mkdtemp(prefix=f"weights_v{version}_", dir=self.disk_dir))
         try:
             save_file(tensors, str(directory / "model.safetensors"))
-            self._all("update_weights_from_disk", str(directory), version)
+            self._all("update_weights_from_disk", str(directory), version, flush_cache=False)  # flushed by send()
         finally:
             shutil.rmtree(directory, ignore_errors=True)
         return sum(t.numel() * t.element_size() for t in tensors.values())

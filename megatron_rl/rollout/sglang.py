@@ -352,8 +352,12 @@ class SGLangClient:
         max_new_tokens: int,
         stop_token_ids: list[int],
         sampling: SamplingConfig | None = None,
+        extra_params: dict[str, Any] | None = None,
     ) -> Segment:
-        """Sample up to `max_new_tokens` after `input_ids`; tokens, fp32 log-probs, versions, finish."""
+        """Sample up to `max_new_tokens` after `input_ids`; tokens, fp32 log-probs, versions, finish.
+
+        `extra_params` are added to SGLang's sampling params verbatim (e.g. `{"ignore_eos": True}`, which
+        also ignores `stop_token_ids`, for fixed-length benchmarks and tests)."""
         if max_new_tokens <= 0:
             return Segment([], [], [], "length")
         sampling = sampling or SamplingConfig()
@@ -365,6 +369,7 @@ class SGLangClient:
             "stop_token_ids": list(stop_token_ids),
             "skip_special_tokens": False,
             "no_stop_trim": True,
+            **(extra_params or {}),
         }
         payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
         self.outstanding += 1
@@ -448,7 +453,9 @@ class SGLangClient:
 
     # --- weight updates (sync.WeightSender drives these) ---------------------------------------------
 
-    async def update_weights_from_disk(self, model_path: str, version: int, flush_cache: bool = False) -> None:
+    async def update_weights_from_disk(self, model_path: str, version: int, flush_cache: bool = True) -> None:
+        """Load the safetensors under `model_path` (HF names) and set `version`. With `flush_cache` the
+        prefix cache is dropped too, which SGLang refuses (an error here) while requests are running."""
         payload = {"model_path": model_path, "weight_version": str(version), "flush_cache": flush_cache}
         await self._post_checked("/update_weights_from_disk", payload)
 
