@@ -42,7 +42,7 @@ _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 # stdout, with the solution's own prints sent to /dev/null so they cannot be mistaken for results.
 HARNESS = (
     f"""
-import json, os, sys, traceback
+import json, os, sys
 COMPILE_ERROR, MEMORY = {EXIT_COMPILE_ERROR}, {EXIT_MEMORY}
 """
     + r"""
@@ -57,8 +57,8 @@ def main():
         source = f.read()
     try:
         code = compile(source, "solution.py", "exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        traceback.print_exc(limit=0)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        sys.stderr.write("%s: %s\n" % (type(exc).__name__, exc))
         sys.stderr.flush()
         os._exit(COMPILE_ERROR)
     namespace = {"__name__": "solution", "__builtins__": __builtins__}

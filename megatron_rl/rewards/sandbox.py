@@ -34,8 +34,11 @@ What is not protected
 - The kernel: no seccomp filter, so a kernel exploit reachable by an unprivileged user in a user
   namespace is an escape. Use a VM (gVisor, Firecracker) when that matters.
 - Side channels and host information under /proc (cpuinfo, meminfo, load, kernel version).
-- Memory is limited per process, not per sandbox: the worst case is max_processes * memory_mb (plus the
-  scratch tmpfs). No cgroup is used, so there is no I/O or CPU-share limit beyond time.
+- Memory is limited per process (address space), not per sandbox: the worst case is about
+  max_processes * (memory_mb + OPEN_FILES * max_output_bytes of memfds and pipes) plus the scratch tmpfs.
+  No cgroup is used, so there is no total-memory, I/O or CPU-share limit; size `max_processes` with that
+  product in mind.
+- Per-user kernel state shared by every sandbox's uid: keyrings (no seccomp filter to forbid keyctl).
 - Reward hacking inside the harness process: a call-based or assert-based solution runs in the same
   interpreter as its harness and can tamper with it; it still cannot learn expected outputs it is not
   given (call-based), but asserts carry their expected values in the sandbox.
@@ -53,7 +56,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -85,28 +87,31 @@ SANDBOX_UID = 65534
 SCRATCH_BYTES = 64 << 20
 """Size of the private, writable /tmp (tmpfs: its pages are memory)."""
 SHM_BYTES = 8 << 20
-OPEN_FILES = 256
+OPEN_FILES = 64
+"""RLIMIT_NOFILE; with RLIMIT_FSIZE it also bounds what memfds and pipes can hold per process."""
 STDERR_TAIL_BYTES = 4096
 
 STATUSES = ("ok", "compile_error", "timeout", "memory", "crash", "output_limit")
 
 # The launcher runs inside the sandbox with the sandbox's Python (any 3.8+): it applies the limits, then
 # compiles and runs the entry file. Compiling inside the sandbox matters: a hostile source can crash the
-# compiler, and that crash must not happen in the reward worker.
+# compiler, and that crash must not happen in the reward worker. It imports nothing heavy (json and
+# traceback would double the interpreter's start-up time): limits come as "NAME:soft:hard,...".
 _LAUNCHER_BODY = r"""
-import json, os, resource, sys, traceback
+import os, resource, sys
 
 def main():
-    limits, root, entry = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
-    for name, (soft, hard) in limits.items():
-        resource.setrlimit(getattr(resource, name), (soft, hard))
+    limits, root, entry = sys.argv[1], sys.argv[2], sys.argv[3]
+    for item in limits.split(","):
+        name, soft, hard = item.split(":")
+        resource.setrlimit(getattr(resource, name), (int(soft), int(hard)))
     path = os.path.join(root, entry)
     with open(path, "rb") as f:
         source = f.read()
     try:
         code = compile(source, path, "exec")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        traceback.print_exc(limit=0)
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        sys.stderr.write("%s: %s\n" % (type(exc).__name__, exc))
         sys.stderr.flush()
         os._exit(COMPILE_ERROR)
     sys.argv = [path]
@@ -138,7 +143,7 @@ class SandboxUnavailable(RuntimeError):
     """Isolation cannot be set up on this machine, and unisolated execution was not allowed."""
 
 
-def _sandbox_python() -> tuple[str, list[str]]:
+def sandbox_python() -> tuple[str, list[str]]:
     """The interpreter programs run with, and the bwrap binds it needs besides /usr."""
     for path in ("/usr/bin/python3", "/usr/local/bin/python3"):
         if os.path.exists(path):
@@ -161,7 +166,8 @@ def _root_layout() -> list[str]:
     return args
 
 
-def _limits(cfg: SandboxConfig, isolated: bool) -> dict[str, tuple[int, int]]:
+def _limits(cfg: SandboxConfig, isolated: bool) -> str:
+    """The launcher's rlimits, as "NAME:soft:hard,..."."""
     cpu = max(1, math.ceil(cfg.cpu_time_s))
     memory = cfg.memory_mb << 20
     limits = {
@@ -177,7 +183,7 @@ def _limits(cfg: SandboxConfig, isolated: bool) -> dict[str, tuple[int, int]]:
         # Per user namespace, so per sandbox: the namespace's init (the program) counts as one.
         # Outside a user namespace RLIMIT_NPROC counts every process of the uid (and root is exempt).
         limits["RLIMIT_NPROC"] = (cfg.max_processes, cfg.max_processes)
-    return limits
+    return ",".join(f"{name}:{soft}:{hard}" for name, (soft, hard) in limits.items())
 
 
 def _memfd(name: str, data: bytes) -> int:
@@ -192,7 +198,7 @@ class Sandbox:
 
     def __init__(self, cfg: SandboxConfig) -> None:
         self.cfg = cfg
-        self.python, self.python_binds = _sandbox_python()
+        self.python, self.python_binds = sandbox_python()
         problem = isolation_problem(cfg)
         self.isolated = problem is None
         if problem is not None:
@@ -230,7 +236,7 @@ class Sandbox:
             if "/" in name or name.startswith(".") or name in contents:
                 raise ValueError(f"sandbox file name {name!r} must be a plain name other than {list(contents)}")
             contents[name] = data.encode() if isinstance(data, str) else data
-        limits = json.dumps(_limits(self.cfg, self.isolated))
+        limits = _limits(self.cfg, self.isolated)
         if self.isolated:
             return _run_isolated(self.cfg, self.python, self.python_binds, contents, limits, stdin)
         return _run_unisolated(self.cfg, self.python, contents, limits, stdin)
@@ -300,14 +306,22 @@ def _supervise(cfg: SandboxConfig, proc: subprocess.Popen[bytes]) -> RunResult:
     """Collect output under the wall-time and output limits, kill on either, classify the exit."""
     start = time.monotonic()
     deadline = start + cfg.wall_time_s
-    stdout, stderr, limit_hit = _collect(proc, deadline, cfg.max_output_bytes)
-    waited = None if limit_hit else _wait(proc.pid, deadline)
+    try:
+        stdout, stderr, limit_hit, waited = _collect(proc, deadline, cfg.max_output_bytes)
+    except BaseException:  # e.g. KeyboardInterrupt: never leave a sandbox running behind us
+        _kill_tree(proc.pid)
+        proc.wait()
+        raise
     if waited is None:
-        limit_hit = limit_hit or "timeout"
         _kill_tree(proc.pid)
         _, status_word, usage = os.wait4(proc.pid, 0)
     else:
         status_word, usage = waited
+        if limit_hit:
+            # It exited, but something it started holds the pipes (possible only unisolated, where no PID
+            # namespace ends with it): its process group is what we can still reach.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
     # We reaped the process ourselves (for its rusage); tell Popen so it does not wait again.
     proc.returncode = os.waitstatus_to_exitcode(status_word)
     for pipe in (proc.stdout, proc.stderr):
@@ -391,45 +405,49 @@ def bwrap_argv(python: str, python_binds: list[str], files: Mapping[str, int]) -
     return argv
 
 
-def _collect(proc: subprocess.Popen[bytes], deadline: float, max_bytes: int) -> tuple[bytearray, bytearray, str]:
-    """Read stdout and stderr until both close; stop early at the deadline or past `max_bytes` in total."""
+def _collect(
+    proc: subprocess.Popen[bytes], deadline: float, max_bytes: int
+) -> tuple[bytearray, bytearray, str, tuple[int, resource.struct_rusage] | None]:
+    """Read stdout and stderr until both close and the process exits; stop early at the deadline or past
+    `max_bytes` in total. Returns (stdout, stderr, limit hit or "", (wait status, rusage) if it exited).
+
+    The exit is watched through a pidfd, so neither a program that closes its pipes and keeps running nor
+    one that exits while a child holds them open needs polling.
+    """
     assert proc.stdout is not None and proc.stderr is not None
     out, err = bytearray(), bytearray()
     buffers = {proc.stdout.fileno(): out, proc.stderr.fileno(): err}
-    with selectors.DefaultSelector() as selector:
-        for fd in buffers:
-            selector.register(fd, selectors.EVENT_READ)
-        total = 0
-        while selector.get_map():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return out, err, "timeout"
-            for key, _ in selector.select(remaining):
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    selector.unregister(key.fd)
-                    continue
-                total += len(chunk)
-                if total > max_bytes:
-                    return out, err, "output_limit"
-                buffer = buffers[key.fd]
-                buffer += chunk
-                if buffer is err and len(err) > 2 * STDERR_TAIL_BYTES:
-                    del err[:-STDERR_TAIL_BYTES]
-    return out, err, ""
-
-
-def _wait(pid: int, deadline: float) -> tuple[int, resource.struct_rusage] | None:
-    """(wait status, rusage) of `pid` once it exits, or None at the deadline (it is still running)."""
-    delay = 0.001
-    while True:
-        done, status, usage = os.wait4(pid, os.WNOHANG)
-        if done:
-            return status, usage
-        if time.monotonic() >= deadline:
-            return None
-        time.sleep(delay)
-        delay = min(delay * 2, 0.02)
+    pidfd = os.pidfd_open(proc.pid)
+    waited = None
+    try:
+        with selectors.DefaultSelector() as selector:
+            for fd in (*buffers, pidfd):
+                selector.register(fd, selectors.EVENT_READ)
+            total = 0
+            while len(selector.get_map()) > 0:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return out, err, "timeout", waited
+                for key, _ in selector.select(remaining):
+                    if key.fd == pidfd:
+                        _, status, usage = os.wait4(proc.pid, 0)  # it has exited: does not block
+                        waited = (status, usage)
+                        selector.unregister(pidfd)
+                        continue
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        selector.unregister(key.fd)
+                        continue
+                    total += len(chunk)
+                    if total > max_bytes:
+                        return out, err, "output_limit", waited
+                    buffer = buffers[key.fd]
+                    buffer += chunk
+                    if buffer is err and len(err) > 2 * STDERR_TAIL_BYTES:
+                        del err[:-STDERR_TAIL_BYTES]
+    finally:
+        os.close(pidfd)
+    return out, err, "", waited
 
 
 def _kill_tree(pid: int) -> None:
@@ -487,8 +505,8 @@ def _probe(cfg: SandboxConfig) -> str | None:
         return f"bubblewrap needs Linux, this is {sys.platform}"
     if shutil.which("bwrap") is None:
         return "bubblewrap (bwrap) is not installed"
-    python, binds = _sandbox_python()
-    limits = json.dumps(_limits(cfg, True))
+    python, binds = sandbox_python()
+    limits = _limits(cfg, True)
     contents = {"_launcher.py": LAUNCHER.encode(), "main.py": b"print('sandbox ok')"}
     try:
         result = _run_isolated(
