@@ -69,14 +69,20 @@ def new_process_group(
     `group_name`, as in SGLang's `init_custom_process_group`, so an engine that joins with the same name
     meets this rank.
     """
-    from torch.distributed.distributed_c10d import PrefixStore, _new_process_group_helper, _world, rendezvous
+    from torch.distributed.distributed_c10d import (
+        GroupName,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
 
     timeout = timedelta(seconds=timeout_s)
     store, rank, world_size = next(rendezvous(f"tcp://{addr}:{port}", rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     prefixed = PrefixStore(group_name, store)
     group, _ = _new_process_group_helper(
-        world_size, rank, [], dist.Backend(backend), prefixed, group_name=group_name, timeout=timeout
+        world_size, rank, [], dist.Backend(backend), prefixed, group_name=GroupName(group_name), timeout=timeout
     )
     _world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # group rank == rank in this group
     return group

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -66,7 +67,7 @@ class EngineTimeoutError(EngineError):
 
 
 class EngineRequestError(EngineError):
-    """The engine answered with an HTTP error (or a malformed answer)."""
+    """The engine answered with an HTTP error (`status`), or with a malformed answer (`status` 200)."""
 
     def __init__(self, url: str, message: str, status: int) -> None:
         super().__init__(url, message)
@@ -126,7 +127,7 @@ class SGLangServer:
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path)]
         cmd += ["--host", self.host, "--port", str(self.port), "--tp-size", str(self.cfg.tp)]
-        cmd += ["--dtype", self.cfg.dtype, "--weight-version", "0"]
+        cmd += ["--dtype", self.cfg.dtype, "--weight-version", "0", "--mem-fraction-static", str(self.cfg.mem_fraction)]
         if self.max_total_tokens:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.cfg.device == "cpu":
@@ -134,8 +135,6 @@ class SGLangServer:
             # (a tiny model needs none; it costs seconds of start-up on 2 cores).
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
             cmd += ["--skip-server-warmup"]
-        else:
-            cmd += ["--mem-fraction-static", str(self.cfg.mem_fraction)]
         if self.cfg.fp32_lm_head:
             cmd += ["--enable-fp32-lm-head"]  # logits (hence sampling and log-probs) in fp32, SCALERL.md §3
         return cmd + list(self.cfg.extra_args)
@@ -311,12 +310,11 @@ class SGLangClient:
             try:
                 async with session.request(method, f"{self.url}{path}", json=payload, timeout=timeout) as response:
                     text = await response.text()
-                    body = _decode(text, response.content_type)
                     if response.status != 200:
                         raise EngineRequestError(
                             self.url, f"{path}: HTTP {response.status}: {text[:500]}", response.status
                         )
-                    return body
+                    return self._decode(path, text, response.content_type)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 # The connection was never established, so the request never reached the server: safe to retry.
                 if attempt == retries:
@@ -330,6 +328,16 @@ class SGLangClient:
             except aiohttp.ClientError as exc:
                 raise EngineUnavailableError(self.url, f"{path}: {type(exc).__name__}: {exc}") from exc
         raise AssertionError("unreachable")
+
+    def _decode(self, path: str, text: str, content_type: str) -> Any:
+        if not text:
+            return None
+        if "json" not in content_type:
+            return text  # e.g. /flush_cache answers in plain text
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise EngineRequestError(self.url, f"{path}: invalid JSON ({exc}): {text[:500]}", 200) from exc
 
     async def post(self, path: str, payload: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
         return await self.request("POST", path, payload or {}, timeout_s)
@@ -510,16 +518,6 @@ class SGLangClient:
             with contextlib.suppress(RuntimeError):  # its loop may be gone already
                 await self._session.close()
         self._session = None
-
-
-def _decode(text: str, content_type: str) -> Any:
-    if not text:
-        return None
-    if "json" in content_type:
-        import json
-
-        return json.loads(text)
-    return text
 
 
 def as_generate_fn(client: SGLangClient, sampling: SamplingConfig) -> GenerateFn:
