@@ -2,7 +2,7 @@
 log-probs against transformers, pause/continue, weight updates (distributed and from disk) with versions,
 failures and retries.
 
-One server serves the whole module (~2 GB RSS, 30-60 s to start on 2 cores). The tests run in file order
+One server serves the whole module (~2 GB RSS, 25-60 s to start on 2 cores). The tests run in file order
 and the last one kills and restarts it.
 """
 
@@ -94,6 +94,17 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int], temperature: float 
 def logprob_error(model, prompt: list[int], segment: Segment, temperature: float = 1.0) -> tuple[float, float]:
     diff = (torch.tensor(segment.logprobs).double() - hf_logprobs(model, prompt, segment.tokens, temperature)).abs()
     return float(diff.mean()), float(diff.max())
+
+
+def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
+    log = tmp_path / "bad.log"
+    bad = SGLangServer(tmp_path / "no-model-here", ENGINE, log)
+    bad.start()
+    with pytest.raises(EngineUnavailableError) as died:
+        run(bad.wait_ready(timeout_s=300))
+    assert "exited with code" in str(died.value) and str(log) in str(died.value)
+    assert "no-model-here" in str(died.value)  # SGLang's own error, from the log tail
+    assert not bad.alive() and bad.process is None
 
 
 def test_generate_returns_tokens_logprobs_versions_and_finish(server, eos):
