@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_sandbox.py [--programs 200] [--workers 1 2 4 8] [--json out.json]
 
 Workloads: `print(1)` (pure sandbox overhead: bwrap, namespaces, interpreter start), a stdin/stdout
-solution of the synthetic linear task, and a program that burns ~50 ms of CPU. Baseline: the same
+solution of the synthetic linear task, and a program that burns ~50 ms of CPU; each also without the
+per-sandbox cgroup where one is used (root), to show its cost. Baseline: the same
 programs run by the same interpreter (`python3 -I -c`) as plain subprocesses on a thread pool of the same
 width, without isolation or limits.
 Last, `code_reward` on synthetic `linear_code` completions (half stdin/stdout with 5 runs each, half
@@ -20,6 +21,7 @@ import time
 
 from megatron_rl.config import RewardsConfig, SandboxConfig
 from megatron_rl.data.synthetic import linear_code_rows, linear_code_solution
+from megatron_rl.rewards import sandbox as sandbox_module
 from megatron_rl.rewards.code import code_reward
 from megatron_rl.rewards.sandbox import Sandbox, sandbox_python
 
@@ -30,7 +32,8 @@ PROGRAMS = {
 }
 
 
-def sandbox_rate(workers: int, program: str, stdin: bytes, count: int) -> float:
+def sandbox_rate(workers: int, program: str, stdin: bytes, count: int, cgroups: bool = True) -> float:
+    sandbox_module.USE_CGROUPS = cgroups
     box = Sandbox(SandboxConfig(workers=workers, wall_time_s=60.0))
     try:
         box.run(program, stdin)  # warm the page cache
@@ -39,6 +42,7 @@ def sandbox_rate(workers: int, program: str, stdin: bytes, count: int) -> float:
         elapsed = time.perf_counter() - start
     finally:
         box.close()
+        sandbox_module.USE_CGROUPS = True
     assert all(r.status == "ok" for r in results), {r.status for r in results}
     return count / elapsed
 
@@ -78,6 +82,10 @@ def main() -> None:
     table: dict[str, dict[int, float]] = {}
     for name, (program, stdin) in PROGRAMS.items():
         table[f"sandbox: {name}"] = {w: sandbox_rate(w, program, stdin, args.programs) for w in args.workers}
+        if sandbox_module._cgroups() is not None:
+            table[f"sandbox without cgroup: {name}"] = {
+                w: sandbox_rate(w, program, stdin, args.programs, cgroups=False) for w in args.workers
+            }
         table[f"bare python: {name}"] = {w: bare_rate(w, program, stdin, args.programs) for w in args.workers}
     table["code_reward (completions/s)"] = {w: reward_rate(w, args.completions) for w in args.workers}
 

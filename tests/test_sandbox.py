@@ -160,6 +160,32 @@ def test_memory_bomb_is_contained(box):
 
 
 @needs_isolation
+@pytest.mark.skipif(sandbox_module._cgroups() is None, reason="no writable memory+pids cgroup (needs root)")
+def test_forking_memory_bomb_is_capped_in_total(box):
+    # Each child stays under the per-process RLIMIT_AS; together they exceed the sandbox's cgroup.
+    program = """
+import os, time
+children = []
+for _ in range(6):
+    pid = os.fork()
+    if pid == 0:
+        block = bytearray(200 << 20)
+        for i in range(0, len(block), 4096):
+            block[i] = 1
+        time.sleep(1)
+        os._exit(0)
+    children.append(pid)
+print([os.waitpid(pid, 0)[1] for pid in children])
+"""
+    result = box.run(program)
+    assert result.status == "memory"
+    one_process = "block = bytearray(200 << 20)\nfor i in range(0, len(block), 4096):\n    block[i] = 1"
+    assert box.run(one_process).status == "ok"
+    for root in sandbox_module._cgroups().roots.values():  # every per-run cgroup is removed again
+        assert [name for name in os.listdir(root) if name.startswith(f"{os.getpid()}-")] == []
+
+
+@needs_isolation
 def test_infinite_loop_times_out(box):
     result = box.run("while True:\n    pass")
     assert result.status == "timeout"

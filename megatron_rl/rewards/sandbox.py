@@ -27,6 +27,10 @@ What is protected
   core dumps; wall time and total stdout+stderr size are enforced from the host, which then kills the
   whole sandbox (SIGKILL to its process group and to its PID-namespace init; when the init dies the kernel
   kills every process left in the namespace, daemons included).
+- Total memory, when we are root and a memory+pids cgroup hierarchy (v2, or v1's) is writable: each
+  sandbox gets its own cgroup capping all its processes, tmpfs pages and kernel buffers together at
+  memory_mb + scratch + /dev/shm, and its process count. The process is held in a shell until it is in
+  its cgroup, so bwrap and the program are born inside it.
 - Lifetime: the program is PID 1 of its namespace (`--as-pid-1`), so a program that exits takes every
   process it started with it, and `--die-with-parent` ends the sandbox if the reward worker dies.
 
@@ -34,10 +38,10 @@ What is not protected
 - The kernel: no seccomp filter, so a kernel exploit reachable by an unprivileged user in a user
   namespace is an escape. Use a VM (gVisor, Firecracker) when that matters.
 - Side channels and host information under /proc (cpuinfo, meminfo, load, kernel version).
-- Memory is limited per process (address space), not per sandbox: the worst case is about
-  max_processes * (memory_mb + OPEN_FILES * max_output_bytes of memfds and pipes) plus the scratch tmpfs.
-  No cgroup is used, so there is no total-memory, I/O or CPU-share limit; size `max_processes` with that
-  product in mind.
+- Without a usable cgroup (not root, or a read-only or partial hierarchy) memory is limited per process
+  (address space) only: the worst case is about max_processes * (memory_mb + OPEN_FILES *
+  max_output_bytes of memfds and pipes) plus the scratch tmpfs. There is no I/O or CPU-share limit
+  beyond CPU time in either case.
 - Per-user kernel state shared by every sandbox's uid: keyrings (no seccomp filter to forbid keyctl).
 - Reward hacking inside the harness process: a call-based or assert-based solution runs in the same
   interpreter as its harness and can tamper with it; it still cannot learn expected outputs it is not
@@ -90,6 +94,10 @@ SHM_BYTES = 8 << 20
 OPEN_FILES = 64
 """RLIMIT_NOFILE; with RLIMIT_FSIZE it also bounds what memfds and pipes can hold per process."""
 STDERR_TAIL_BYTES = 4096
+
+USE_CGROUPS = True
+"""Give each sandbox its own memory+pids cgroup when possible. Moving a process into a cgroup takes a
+kernel-wide lock (~5-10 ms, benchmarks/README.md); False keeps the per-process rlimits only."""
 
 STATUSES = ("ok", "compile_error", "timeout", "memory", "crash", "output_limit")
 
@@ -252,9 +260,15 @@ def _run_isolated(
     # host disk, and no host path has to be readable by the sandbox uid.
     fds = {name: _memfd(name, data) for name, data in contents.items()}
     stdin_fd = _memfd("stdin", stdin)
+    argv = bwrap_argv(python, python_binds, fds) + [limits, "/sandbox", "main.py"]
+    cgroups = _cgroups()
+    group = cgroups.create(cfg) if cgroups is not None else None
+    if group is not None:
+        # The shell stops itself until we (root) have moved it into its cgroup and continued it: bwrap and
+        # everything it starts are then born inside the cgroup.
+        argv = ["/bin/sh", "-c", 'kill -STOP $$ && exec "$@"', "sh", *argv]
+    as_root = os.geteuid() == 0
     try:
-        argv = bwrap_argv(python, python_binds, fds) + [limits, "/sandbox", "main.py"]
-        as_root = os.geteuid() == 0
         proc = subprocess.Popen(
             argv,
             stdin=stdin_fd,
@@ -272,7 +286,156 @@ def _run_isolated(
     finally:
         for fd in (*fds.values(), stdin_fd):
             os.close(fd)
-    return _supervise(cfg, proc)
+    if group is None:
+        return _supervise(cfg, proc)
+    assert cgroups is not None
+    try:
+        _, status = os.waitpid(proc.pid, os.WUNTRACED)
+        if not os.WIFSTOPPED(status):
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            raise OSError(f"the sandbox's shell exited before starting bwrap (status {proc.returncode})")
+        cgroups.attach(group, proc.pid)
+        os.kill(proc.pid, signal.SIGCONT)
+        result = _supervise(cfg, proc)
+        # Any OOM kill means the sandbox went over its memory, even if the program survived the loss of a
+        # child and exited 0.
+        if result.status in ("ok", "crash") and cgroups.oom_killed(group):
+            result.status = "memory"
+        return result
+    finally:
+        if proc.returncode is None:  # attaching failed: the stopped shell never started bwrap
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            assert pipe is not None
+            pipe.close()
+        cgroups.remove(group)
+
+
+class _Cgroups:
+    """One memory + pids cgroup per sandbox (cgroup v2, or v1's memory and pids hierarchies).
+
+    Used when we are root and the hierarchy is writable: it caps the sandbox's total memory (all its
+    processes, its tmpfs pages, kernel buffers) at memory_mb plus the scratch and /dev/shm sizes, and its
+    process count, which per-process rlimits cannot do. The kernel OOM-kills inside the cgroup only.
+    """
+
+    NAME = "megatron_rl_sandbox"
+
+    def __init__(self, roots: dict[str, str], version: int) -> None:
+        self.roots = roots  # controller ("memory", "pids", or "" for v2's single tree) -> our parent directory
+        self.version = version
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @classmethod
+    def detect(cls) -> _Cgroups | None:
+        if sys.platform != "linux" or os.geteuid() != 0:
+            return None
+        base = "/sys/fs/cgroup"
+        try:
+            if os.path.exists(f"{base}/cgroup.controllers"):
+                with open(f"{base}/cgroup.controllers") as f:
+                    if not {"memory", "pids"} <= set(f.read().split()):
+                        return None
+                parent = f"{base}/{cls.NAME}"
+                os.makedirs(parent, exist_ok=True)
+                for directory in (base, parent):
+                    with open(f"{directory}/cgroup.subtree_control", "w") as f:
+                        f.write("+memory +pids")
+                groups = cls({"": parent}, 2)
+            elif os.path.exists(f"{base}/memory/cgroup.procs") and os.path.exists(f"{base}/pids/cgroup.procs"):
+                roots = {c: f"{base}/{c}/{cls.NAME}" for c in ("memory", "pids")}
+                for parent in roots.values():
+                    os.makedirs(parent, exist_ok=True)
+                groups = cls(roots, 1)
+            else:
+                return None
+            groups._remove_stale()
+            return groups
+        except OSError as exc:
+            log.warning("code sandbox: no cgroup (%s); total memory is limited per process only", exc)
+            return None
+
+    def create(self, cfg: SandboxConfig) -> list[str]:
+        with self._lock:
+            self._count += 1
+            name = f"{os.getpid()}-{self._count}"
+        memory = (cfg.memory_mb << 20) + SCRATCH_BYTES + SHM_BYTES
+        pids = cfg.max_processes + 2  # + the shell/bwrap outside the namespace and a margin for bwrap's fork
+        dirs = [f"{root}/{name}" for root in self.roots.values()]
+        for directory in dirs:
+            os.mkdir(directory)
+        if self.version == 2:
+            self._write(dirs[0], "memory.max", memory)
+            self._write(dirs[0], "memory.swap.max", 0, optional=True)
+            self._write(dirs[0], "pids.max", pids)
+        else:
+            memory_dir, pids_dir = dirs
+            self._write(memory_dir, "memory.limit_in_bytes", memory)
+            self._write(memory_dir, "memory.memsw.limit_in_bytes", memory, optional=True)
+            self._write(pids_dir, "pids.max", pids)
+        return dirs
+
+    def attach(self, dirs: list[str], pid: int) -> None:
+        for directory in dirs:
+            self._write(directory, "cgroup.procs", pid)
+
+    def oom_killed(self, dirs: list[str]) -> bool:
+        """Whether the kernel killed a process of this cgroup for memory."""
+        name = "memory.events" if self.version == 2 else "memory.oom_control"
+        try:
+            with open(f"{dirs[0]}/{name}") as f:
+                counts = dict(line.split() for line in f if len(line.split()) == 2)
+        except OSError:
+            return False
+        return int(counts.get("oom_kill", "0")) > 0
+
+    def remove(self, dirs: list[str]) -> None:
+        # The processes are dead (the PID namespace ends before bwrap exits); the kernel may still be
+        # uncharging them, so retry briefly.
+        for directory in dirs:
+            for attempt in range(100):
+                try:
+                    os.rmdir(directory)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if attempt == 99:
+                        log.warning("code sandbox: could not remove cgroup %s", directory)
+                    time.sleep(0.01)
+
+    def _remove_stale(self) -> None:
+        """Empty cgroups left by processes that died mid-run."""
+        for root in self.roots.values():
+            for name in os.listdir(root):
+                owner = name.split("-", 1)[0]
+                if owner.isdigit() and not psutil.pid_exists(int(owner)):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(f"{root}/{name}")
+
+    @staticmethod
+    def _write(directory: str, name: str, value: int, optional: bool = False) -> None:
+        path = f"{directory}/{name}"
+        if optional and not os.path.exists(path):
+            return
+        with open(path, "w") as f:
+            f.write(str(value))
+
+
+_cgroups_lock = threading.Lock()
+_cgroups_state: list[_Cgroups | None] = []
+
+
+def _cgroups() -> _Cgroups | None:
+    """The process's cgroup manager, detected once (None: not root, or no writable memory+pids hierarchy)."""
+    if not USE_CGROUPS:
+        return None
+    with _cgroups_lock:
+        if not _cgroups_state:
+            _cgroups_state.append(_Cgroups.detect())
+        return _cgroups_state[0]
 
 
 def _run_unisolated(
