@@ -19,7 +19,7 @@ formats, all a dict in `Prompt.tests` (data/datasets.py):
 Reward: `cfg.correct` if every test passes, else `cfg.incorrect`; with `code_partial_credit` it is
 interpolated by the fraction of tests passed. The failure reason is that of the first failing test:
 'no_code', 'compile_error', 'wrong_answer', 'timeout', 'memory', 'crash', 'output_limit'.
-Without partial credit, the cases still pending after the first failure are cancelled.
+Without partial credit, the first failing stdin/stdout case ends the evaluation.
 
 Synchronous (it blocks on the sandbox pool), so call it from a reward worker process (rewards/workers.py).
 """
@@ -176,22 +176,24 @@ def _matches(got: Any, expected: Any) -> bool:
 
 
 def _run_stdio(program: str, inputs: list[str], outputs: list[str], cfg: RewardsConfig) -> list[str | None]:
-    """One sandbox run per case; None for a pass, else the failure reason."""
+    """One sandbox run per case, concurrently on the pool; None for a pass, else the failure reason.
+
+    Without partial credit the first failure decides: the cases not started yet are cancelled and the
+    ones running are not waited for (they finish within their own limits).
+    """
     sandbox = get_sandbox(cfg.sandbox)
     futures = [sandbox.submit(program, stdin.encode()) for stdin in inputs]
     outcomes: list[str | None] = []
-    for future, expected in zip(futures, outputs, strict=True):
-        if future.cancelled():
-            outcomes.append("cancelled")
-            continue
+    for index, (future, expected) in enumerate(zip(futures, outputs, strict=True)):
         result = future.result()
         outcome = _failure(result)
         if outcome is None and normalise_output(result.stdout.decode(errors="replace")) != normalise_output(expected):
             outcome = "wrong_answer"
         outcomes.append(outcome)
         if outcome is not None and not cfg.code_partial_credit:
-            for pending in futures:
+            for pending in futures[index + 1 :]:
                 pending.cancel()
+            break
     return outcomes
 
 
