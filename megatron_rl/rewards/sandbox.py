@@ -679,7 +679,13 @@ def _probe(cfg: SandboxConfig) -> str | None:
         return f"starting bwrap failed: {exc}"
     if result.status != "ok" or result.stdout != b"sandbox ok\n":
         detail = result.stderr.decode(errors="replace").strip()[-500:]
-        return f"bwrap could not start a sandbox (status {result.status}, exit {result.exit_code}): {detail}"
+        hint = ""
+        if "namespace" in detail or "Operation not permitted" in detail:
+            hint = (
+                " (unprivileged user namespaces look disabled: see sysctls user.max_user_namespaces,"
+                " kernel.unprivileged_userns_clone, kernel.apparmor_restrict_unprivileged_userns)"
+            )
+        return f"bwrap could not start a sandbox (status {result.status}, exit {result.exit_code}): {detail}{hint}"
     return None
 
 
