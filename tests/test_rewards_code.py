@@ -8,7 +8,7 @@ from megatron_rl.config import RewardsConfig, SandboxConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.data.synthetic import linear_code_rows, linear_code_solution
 from megatron_rl.rewards import REWARDS, score
-from megatron_rl.rewards.code import code_reward, extract_program, normalise_output
+from megatron_rl.rewards.code import FAILURES, code_reward, extract_program, normalise_output
 from megatron_rl.rewards.sandbox import isolation_problem
 
 CFG = RewardsConfig(sandbox=SandboxConfig(wall_time_s=20.0, cpu_time_s=2.0, memory_mb=256, max_output_bytes=1 << 16))
@@ -91,6 +91,20 @@ def test_call_based_dataset_quirks():
 
 
 @needs_isolation
+def test_deepcoder_case_lists():
+    stdio = [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10"}]
+    adder = "a, b = map(int, input().split())\nprint(a + b)"
+    assert code_reward(fenced(adder), stdio, CFG).passed
+    functional = [
+        {"input": "[1, 2]\n3", "output": "[1, 2, 3]", "testtype": "functional", "metadata": {"func_name": "push"}}
+    ]
+    assert code_reward(fenced("def push(xs, x):\n    return xs + [x]"), functional, CFG).passed
+    assert code_reward(fenced("def push(xs, x):\n    return xs"), functional, CFG).failure == "wrong_answer"
+    with pytest.raises(ValueError, match="func_name"):
+        code_reward(fenced("print(1)"), [{"input": "1", "output": "1", "testtype": "functional"}], CFG)
+
+
+@needs_isolation
 @pytest.mark.parametrize(
     ("program", "tests", "failure"),
     [
@@ -110,6 +124,7 @@ def test_call_based_dataset_quirks():
 def test_failure_reasons(program, tests, failure):
     result = code_reward(fenced(program), tests, CFG)
     assert (result.reward, result.passed, result.failure) == (-1.0, False, failure)
+    assert failure in FAILURES
 
 
 def test_no_code_is_a_failure_without_running_anything():

@@ -16,6 +16,9 @@ formats, all a dict in `Prompt.tests` (data/datasets.py):
 - assert-based: {"asserts": ["assert f(1) == 2", ...]}: each statement runs after the program, in its
   namespace, in one sandbox run.
 
+DeepCoder's per-case lists ([{"input", "output", "testtype", "metadata": {"func_name"}}, ...]) are
+converted to these forms (`from_case_list`).
+
 Reward: `cfg.correct` if every test passes, else `cfg.incorrect`; with `code_partial_credit` it is
 interpolated by the fraction of tests passed. The failure reason is that of the first failing test:
 'no_code', 'compile_error', 'wrong_answer', 'timeout', 'memory', 'crash', 'output_limit'.
@@ -110,7 +113,9 @@ def normalise_output(text: str) -> list[str]:
     return [" ".join(line.split()) for line in text.strip().splitlines()]
 
 
-def code_reward(completion: str, tests: dict[str, Any], cfg: RewardsConfig) -> RewardResult:
+def code_reward(completion: str, tests: dict[str, Any] | list[dict[str, Any]], cfg: RewardsConfig) -> RewardResult:
+    if isinstance(tests, list):
+        tests = from_case_list(tests)
     _check_tests(tests)
     program = extract_program(completion)
     if program is None:
@@ -130,6 +135,25 @@ def code_reward(completion: str, tests: dict[str, Any], cfg: RewardsConfig) -> R
         passed = outcomes.count(None) / len(outcomes)
         return RewardResult(cfg.incorrect + (cfg.correct - cfg.incorrect) * passed, False, failures[0])
     return RewardResult(cfg.incorrect, False, failures[0])
+
+
+def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """DeepCoder's per-case lists (LiveCodeBench, Codeforces, PrimeIntellect rows) as the dict form.
+
+    [{"input": "1 2", "output": "3"}, ...]                                   -> stdin/stdout
+    [{"input": "[1, 2]\n3", "output": "[0]", "testtype": "functional",
+      "metadata": {"func_name": "f"}}, ...]                                  -> call-based
+    """
+    if not cases or not all(isinstance(case, dict) and "input" in case and "output" in case for case in cases):
+        raise ValueError("code tests given as a list need {'input': ..., 'output': ...} cases")
+    first = cases[0]
+    fn_name = first.get("fn_name") or (first.get("metadata") or {}).get("func_name")
+    if first.get("testtype") == "functional" and not fn_name:
+        raise ValueError("code tests: a functional case list needs metadata.func_name")
+    tests: dict[str, Any] = {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
+    if fn_name:
+        tests["fn_name"] = fn_name
+    return tests
 
 
 def _check_tests(tests: dict[str, Any]) -> None:
