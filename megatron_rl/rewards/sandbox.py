@@ -46,13 +46,14 @@ What is not protected
 - Reward hacking inside the harness process: a call-based or assert-based solution runs in the same
   interpreter as its harness and can tamper with it; it still cannot learn expected outputs it is not
   given (call-based), but asserts carry their expected values in the sandbox.
-- Development mode (`allow_unisolated`, loudly logged): only rlimits, a scratch cwd, a scrubbed
-  environment and a process group; the program can read the host, use the network and leave daemons.
+- Development mode (`allow_unisolated`, loudly logged): only rlimits (no process limit), a scratch cwd, a
+  scrubbed environment and a process group, as the calling user; the program can read and write the
+  host, use the network, fork-bomb the user and leave daemons.
 
 Ideas adopted: the launcher applying rlimits before running the code, and the docstring listing what is and
 is not covered, from nanochat/OpenAI human-eval `execution.py` (which itself is "not a security
 sandbox"); namespaces + read-only binds + tmpfs scratch via bubblewrap as in pybubble and rllm's firejail
-executor; a dedicated unprivileged uid per box as in ioi/isolate.
+executor; an unprivileged uid and a cgroup per box, as the ioi/isolate contest sandbox does.
 """
 
 from __future__ import annotations
