@@ -39,12 +39,17 @@ nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}")
 num_nodes=$(echo "$nodes" | wc -l)
 head_node=$(echo "$nodes" | head -n 1)
 gpus_per_node=${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-0}}
-cpus_per_node=${SLURM_CPUS_ON_NODE:-$(nproc)}
+cpus_per_node=${SLURM_CPUS_ON_NODE:-$(getconf _NPROCESSORS_ONLN)}
 
 echo "[bootstrap] job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): $num_nodes node(s), $gpus_per_node GPU(s) each; run $RUN_NAME"
 "$MRL" check --recipe "$RECIPE" "${model_arg[@]}" --allocation "${num_nodes}x${gpus_per_node}" "${overrides[@]}"
 
-head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname --ip-address | awk '{print $1}')
+# One shared token for Ray's authentication: every srun step inherits the environment.
+RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(python -c "import secrets; print(secrets.token_hex(32))")}
+export RAY_AUTH_TOKEN RAY_AUTH_MODE=token
+
+# The head's first interface address (what Ray itself would pick; `hostname --ip-address` may give loopback).
+head_ip=$(srun --nodes=1 --ntasks=1 -w "$head_node" hostname -I | awk '{print $1}')
 export RAY_ADDRESS="$head_ip:$RAY_PORT"
 srun --nodes=1 --ntasks=1 -w "$head_node" --overlap \
   ray start --head --node-ip-address="$head_ip" --port="$RAY_PORT" --num-cpus="$cpus_per_node" \
@@ -56,7 +61,7 @@ for node in $(echo "$nodes" | tail -n +2); do
   ray_pids+=($!)
 done
 for _ in $(seq 1 120); do
-  alive=$(python -c "import ray; ray.init(address='$RAY_ADDRESS', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))" 2>/dev/null || echo 0)
+  alive=$(timeout 20 python -c "import ray; ray.init(address='$RAY_ADDRESS', logging_level='ERROR'); print(sum(n['Alive'] for n in ray.nodes()))" 2>/dev/null || echo 0)
   if [ "$alive" -ge "$num_nodes" ]; then break; fi
   sleep 2
 done

@@ -29,7 +29,7 @@ fi
 
 stop
 host=$(hostname -s)
-cpus=$(nproc)
+cpus=$(getconf _NPROCESSORS_ONLN)  # not nproc: it honours OMP_NUM_THREADS
 memory=$(( $(awk '/MemTotal/{print $2}' /proc/meminfo) / 1024 - 1024 ))
 mkdir -p /etc/slurm "$STATE/ctld" "$STATE/d" /var/log/slurm /run/munge
 cat > /etc/slurm/slurm.conf <<CONF

@@ -55,7 +55,7 @@ def _submit(tmp: Path, name: str, overrides: str) -> str:
     )
     out = _sh(
         f"sbatch --parsable --job-name={name} --nodes=1 --cpus-per-task=2 --requeue "
-        f"--output={tmp}/{name}-%j-%R.out {ROOT}/slurm/bootstrap.sh",
+        f"--output={tmp}/{name}-%j.out {ROOT}/slurm/bootstrap.sh",
         env=env,
         cwd=tmp,
     )
