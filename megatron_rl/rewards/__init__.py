@@ -16,6 +16,7 @@ from megatron_rl.config import RewardsConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.rewards.code import code_reward
 from megatron_rl.rewards.math import RewardResult, math_reward
+from megatron_rl.rewards.sandbox import SandboxUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ def score(completion: str, prompt: Prompt, cfg: RewardsConfig) -> RewardResult:
         raise ValueError(f"task {prompt.task!r} of prompt {prompt.id} has no reward function; known: {list(REWARDS)}")
     try:
         return REWARDS[prompt.task](completion, prompt, cfg)
+    except SandboxUnavailable:
+        raise  # no isolation for model-written code: stop the run, never score code unisolated silently
     except Exception as exc:  # a reward bug must cost one sample, not the run; it is logged and counted
         log.warning(
             "reward function for %s failed on prompt %s: %s: %s", prompt.task, prompt.id, type(exc).__name__, exc
