@@ -1,83 +1,153 @@
 """Hugging Face <-> Megatron conversion: one name/shape mapping per model family, used three ways.
 
-    to_hf(name, tensor, cfg)            canonical megatron tensor -> [(HF name, tensor)]   (sync, export)
-    from_hf(get, cfg)                   HF tensors (fetched lazily by name) -> canonical megatron tensors
-    load_hf_into_model(model, cfg, d)   import: stream an HF directory into this rank's shards
-    iter_hf_weights(model, cfg, bytes)  the trainer's full weights under HF names, in buckets (weight sync)
+    import_hf(hf_dir, model=gpt)                 import: stream an HF directory into this rank's shards
+    import_hf(hf_dir, cfg, parallel, out=ckpt)   import: write a megatron_rl checkpoint for a TP/PP/EP layout
+    export_hf(ckpt, out_dir)                     export: a megatron_rl checkpoint (any layout) -> HF directory
+    iter_hf_weights(model, cfg, bucket_bytes)    weight sync: the trainer's full weights under HF names
+                                                 (trainer/weights.py, built on HFMapper below)
 
-Canonical megatron names are defined in trainer/weights.py (TP=PP=EP=1, global layer/expert indices).
+Family modules (llama, qwen3, qwen3_moe, llama4) each define
+
+    MODEL_TYPES                       config.json `model_type` values they read
+    check(cfg)                        ValueError for settings the family cannot express
+    to_hf(name, tensor, cfg)          canonical megatron tensor -> [(HF name, tensor or Stacked part)]
+    from_hf(cfg)                      FromHF recipes: canonical tensor <- the HF tensors it reads
+    hf_config(cfg) / model_config(hf) ModelConfig -> config.json arguments, and back
+
+and optionally `checkpoint_prefix(names)`, `skipped(hf_name)`, `text_config(hf)` (Llama-4's multimodal
+Hub checkpoint). Canonical megatron names are defined in trainer/weights.py (TP=PP=EP=1, global layer
+and expert indices, local-spec norm names).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.convert import dense
+from megatron_rl.convert import llama, llama4, qwen3, qwen3_moe
+from megatron_rl.convert.layers import FromHF, HFTensors, Stacked
 
-FAMILIES: dict[str, ModuleType] = {"llama": dense, "qwen3": dense}
-
-
-def family(cfg: ModelConfig) -> ModuleType:
-    if cfg.family not in FAMILIES:
-        raise ValueError(f"model.family: no conversion for {cfg.family!r}; supported: {sorted(FAMILIES)}")
-    return FAMILIES[cfg.family]
+FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "llama4": llama4}
 
 
-def to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> list[tuple[str, Tensor]]:
-    return family(cfg).to_hf(name, tensor, cfg)
+def family(cfg: ModelConfig | str) -> ModuleType:
+    name = cfg if isinstance(cfg, str) else cfg.family
+    if name not in FAMILIES:
+        raise ValueError(f"model.family: no conversion for {name!r}; supported: {sorted(FAMILIES)}")
+    return FAMILIES[name]
 
 
-def from_hf(get: Callable[[str], Tensor], cfg: ModelConfig) -> Iterator[tuple[str, Tensor]]:
-    return family(cfg).from_hf(get, cfg)
+def family_of(hf_config: dict[str, Any]) -> str:
+    """Our family name for a config.json (by `model_type`)."""
+    model_type = hf_config.get("model_type")
+    for name, module in FAMILIES.items():
+        if model_type in module.MODEL_TYPES:
+            return name
+    known = sorted(t for m in FAMILIES.values() for t in m.MODEL_TYPES)
+    architectures = hf_config.get("architectures")
+    raise ValueError(
+        f"config.json: unknown architecture (model_type {model_type!r}, architectures {architectures}); "
+        f"supported model types: {known}"
+    )
 
 
-class SafetensorsReader:
-    """Lazy access to an HF directory's tensors by name (single file or sharded index)."""
-
-    def __init__(self, hf_dir: Path) -> None:
-        from safetensors import safe_open
-
-        self.dir = Path(hf_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.exists():
-            weight_map = json.loads(index.read_text())["weight_map"]
-        elif (self.dir / "model.safetensors").exists():
-            with safe_open(self.dir / "model.safetensors", "pt") as f:
-                weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        else:
-            raise FileNotFoundError(f"{self.dir}: no model.safetensors or model.safetensors.index.json")
-        self.weight_map: dict[str, str] = weight_map
-        self.used: set[str] = set()
-        self._open: dict[str, Any] = {}
-
-    def __call__(self, name: str) -> Tensor:
-        from safetensors import safe_open
-
-        if name not in self.weight_map:
-            raise KeyError(f"{self.dir}: tensor {name!r} not found in the checkpoint")
-        file = self.weight_map[name]
-        if file not in self._open:
-            self._open[file] = safe_open(self.dir / file, "pt")
-        self.used.add(name)
-        return self._open[file].get_tensor(name)
-
-    def unused(self) -> list[str]:
-        return sorted(set(self.weight_map) - self.used)
+def read_hf_config(hf_dir: str | Path) -> dict[str, Any]:
+    path = Path(hf_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{hf_dir}: no config.json")
+    return json.loads(path.read_text())
 
 
-def load_hf_into_model(model: Any, cfg: ModelConfig, hf_dir: Path) -> None:
-    """Import: stream the HF checkpoint's tensors into this rank's shards of `model`."""
-    from megatron_rl.trainer.weights import load_full_weights
+def model_config_from_hf(hf_dir: str | Path, name: str | None = None) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint directory, from its config.json."""
+    hf = read_hf_config(hf_dir)
+    module = family(family_of(hf))
+    cfg: ModelConfig = module.model_config(hf, name or Path(hf_dir).name)
+    cfg.hf_path = str(hf_dir)
+    return cfg
 
-    reader = SafetensorsReader(hf_dir)
-    load_full_weights(model, from_hf(reader, cfg))
-    extra = [n for n in reader.unused() if not n.endswith("rotary_emb.inv_freq")]
-    if extra:
-        raise ValueError(f"{hf_dir}: tensors not used by the {cfg.family} mapping: {extra}")
+
+def to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:
+    """One canonical tensor under HF names; fused HF tensors come as `Stacked` parts (use HFMapper)."""
+    return family(cfg).to_hf(name, tensor, cfg)  # type: ignore[no-any-return]
+
+
+def from_hf(cfg: ModelConfig) -> Iterator[FromHF]:
+    """The recipes that build every canonical tensor of `cfg` from HF tensors."""
+    module = family(cfg)
+    module.check(cfg)
+    return module.from_hf(cfg)  # type: ignore[no-any-return]
+
+
+class HFMapper:
+    """Canonical tensors in, HF tensors out: `to_hf` plus assembly of fused (stacked) HF tensors.
+
+    A stacked tensor (Llama-4's per-layer experts) is emitted when its last part arrives, so the mapper
+    holds at most the stacks being filled; `finish()` raises if one is incomplete.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        family(cfg).check(cfg)
+        self.cfg = cfg
+        self._stacks: dict[str, list[Tensor | None]] = {}
+
+    def map(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
+        out = []
+        for hf_name, value in to_hf(name, tensor, self.cfg):
+            if not isinstance(value, Stacked):
+                out.append((hf_name, value))
+                continue
+            parts = self._stacks.setdefault(hf_name, [None] * value.count)
+            if parts[value.index] is not None:
+                raise ValueError(f"{hf_name}: part {value.index} given twice (from {name})")
+            parts[value.index] = value.tensor
+            if all(p is not None for p in parts):
+                out.append((hf_name, torch.stack(parts)))  # type: ignore[arg-type]
+                del self._stacks[hf_name]
+        return out
+
+    def finish(self) -> None:
+        if self._stacks:
+            incomplete = {name: [i for i, p in enumerate(parts) if p is None] for name, parts in self._stacks.items()}
+            raise ValueError(f"incomplete stacked HF tensors (name: missing parts): {incomplete}")
+
+    def map_all(self, named: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in named:
+            yield from self.map(name, tensor)
+        self.finish()
+
+
+def hf_shapes(cfg: ModelConfig, canonical: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape for canonical (name, shape) pairs, computed on meta tensors (nothing allocated)."""
+    mapper = HFMapper(cfg)
+    meta = ((name, torch.empty(shape, device="meta")) for name, shape in canonical)
+    return {name: tuple(t.shape) for name, t in mapper.map_all(meta)}
+
+
+# Import and export carry the megatron-side machinery (imported lazily inside their functions).
+from megatron_rl.convert.hf_export import export_hf  # noqa: E402
+from megatron_rl.convert.hf_import import import_hf, load_hf_into_model  # noqa: E402
+
+__all__ = [
+    "FAMILIES",
+    "FromHF",
+    "HFMapper",
+    "Stacked",
+    "export_hf",
+    "family",
+    "family_of",
+    "from_hf",
+    "hf_shapes",
+    "import_hf",
+    "load_hf_into_model",
+    "model_config_from_hf",
+    "read_hf_config",
+    "to_hf",
+]

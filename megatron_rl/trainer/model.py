@@ -56,7 +56,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
             moe_apply_probs_on_input=model.moe.apply_probs_on_input,
             moe_aux_loss_coeff=model.moe.aux_loss_coeff,
             moe_router_load_balancing_type="aux_loss" if model.moe.aux_loss_coeff > 0 else "none",
-            moe_layer_freq=model.moe.layer_freq,
+            # HF (Qwen3-MoE decoder_sparse_step, Llama-4 interleave_moe_layer_step): layer i is MoE when
+            # (i + 1) % N == 0; megatron's integer form would make it i % N == 0.
+            moe_layer_freq=[int((i + 1) % model.moe.layer_freq == 0) for i in range(model.num_layers)],
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
         )
@@ -76,6 +78,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
         qk_layernorm=model.qk_layernorm,
         qk_l2_norm=model.qk_l2_norm,
         no_rope_freq=model.no_rope_freq,
+        rotary_interleaved=model.family == "llama4",  # Llama-4 rotates adjacent pairs (HF's complex RoPE)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=0.02,
@@ -129,6 +132,12 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
         rope_scaling=rope_scaling,
         rope_scaling_factor=model.rope_scaling_factor or 8.0,
     )
+    if rope_scaling:
+        _set_rope_scaling(gpt, model)
+    if model.qk_l2_norm and model.no_rope_freq:
+        for layer in gpt.decoder.layers:  # HF Llama-4 L2-normalises q/k on RoPE layers only; megatron on all
+            if config.no_rope_freq[layer.layer_number - 1]:
+                layer.self_attention.q_layernorm = layer.self_attention.k_layernorm = None
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())
     dtype = DTYPES[trainer.params_dtype]
@@ -138,6 +147,20 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
         cast_lm_head_to_fp32(gpt)
     cpu_compat.apply()  # covers megatron modules imported while building
     return gpt
+
+
+def _set_rope_scaling(gpt: Any, model: ModelConfig) -> None:
+    """Llama-3-style RoPE scaling with the configured factors (megatron hard-codes low 1, high 4, 8192)."""
+    rope = gpt.rotary_pos_emb
+    dim = model.head_dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=rope.inv_freq.device) / dim
+    rope.inv_freq = rope._apply_scaling(
+        1.0 / (model.rotary_base**exponents),
+        factor=model.rope_scaling_factor,
+        low_freq_factor=model.rope_low_freq_factor,
+        high_freq_factor=model.rope_high_freq_factor,
+        original_max_position_embeddings=model.rope_original_max_position,
+    )
 
 
 def cast_lm_head_to_fp32(gpt: Any) -> None:

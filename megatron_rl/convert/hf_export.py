@@ -1,0 +1,232 @@
+"""Export: a megatron_rl checkpoint saved under any TP/PP/EP layout -> a Hugging Face directory.
+
+    export_hf(checkpoint_dir, out_dir)      # one process, no GPU needed
+
+A megatron-core distributed checkpoint stores every tensor by its global shape, whatever layout wrote
+it, so one process can read it as a TP=1/PP=1/EP=1 model would. That model is built on the meta device
+(no memory); its sharded state dict names every canonical tensor and where it lives in the checkpoint.
+The export then loads one layer's tensors at a time into fresh buffers (`dist_checkpointing.load` of that
+subset), maps them to HF names (convert/, the same mapping as weight sync) and appends them to
+safetensors shards of the configured size: peak memory is about one layer plus one shard.
+
+The output: `model-0000i-of-0000N.safetensors` (or `model.safetensors`) + index, `config.json`, a
+generation config, and the tokenizer files of the source HF directory (`hf_source`, by default the
+`model.hf_path` the run started from). config.json is the source's (for Scout's multimodal config, its
+text model) checked against the checkpoint's ModelConfig, or else generated from the ModelConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, TrainerConfig, build
+from megatron_rl.convert import FAMILIES, HFMapper, family, family_of, hf_configs, read_hf_config
+from megatron_rl.convert.checkpoint_reader import CheckpointReader, Region
+from megatron_rl.convert.hf_files import ShardedWriter, copy_side_files, parse_size
+from megatron_rl.convert.runtime import megatron_process
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run's checkpoint root (its `latest` marker is followed)."""
+    path = Path(path)
+    if (path / "latest").is_file():
+        path = path / (path / "latest").read_text().strip()
+    if not (path / "metadata.json").is_file() and not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path}: not a megatron-core distributed checkpoint (no metadata.json)")
+    return path
+
+
+def checkpoint_model_config(path: Path, model_cfg: ModelConfig | None) -> tuple[ModelConfig, dict[str, Any]]:
+    """The ModelConfig to export: megatron_rl.json's, or `model_cfg` (which must then agree with it)."""
+    meta_file = path / "megatron_rl.json"
+    meta: dict[str, Any] = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    if "model" not in meta:
+        if model_cfg is None:
+            raise ValueError(f"{path}: no megatron_rl.json; give the model config (--model)")
+        return model_cfg, meta
+    try:
+        saved = build(ModelConfig, meta["model"], prefix="model")
+    except ConfigError as exc:
+        raise ValueError(f"{meta_file}: {exc}") from None
+    if model_cfg is not None:
+        diffs = hf_configs.differences(saved, model_cfg)
+        if saved.family != model_cfg.family:
+            diffs.insert(0, f"model.family (checkpoint {saved.family!r}, requested {model_cfg.family!r})")
+        if diffs:
+            raise ValueError(f"{path}: the checkpoint's model differs from the requested one: {'; '.join(diffs)}")
+    return saved, meta
+
+
+def _meta_model(cfg: ModelConfig, params_dtype: str) -> Any:
+    from megatron_rl.trainer.model import build_model
+
+    trainer = TrainerConfig(params_dtype=params_dtype, fp32_lm_head=False)  # type: ignore[arg-type]
+    with torch.device("meta"):
+        return build_model(cfg, ParallelConfig(), trainer)
+
+
+def _groups(names: list[str]) -> Iterator[list[str]]:
+    """Consecutive names of one layer (or of the embedding / final norm / output layer) together."""
+    group: list[str] = []
+    key: str | None = None
+    for name in names:
+        match = _LAYER.match(name)
+        this = match.group(0) if match else name
+        if group and this != key:
+            yield group
+            group = []
+        key = this
+        group.append(name)
+    if group:
+        yield group
+
+
+def _pieces(built: Any) -> list[Any]:
+    if isinstance(built, dict):
+        return [p for value in built.values() for p in _pieces(value)]
+    if isinstance(built, (list, tuple)):
+        return [p for value in built for p in _pieces(value)]
+    return [built]
+
+
+def _regions(entry: Any, buffer: Tensor) -> list[Region]:
+    """Where the tensor of one sharded-state entry lives in the checkpoint, read into `buffer`.
+
+    A ShardedTensor is one region; a ShardedTensorFactory (megatron's gated fc1: gate and up halves stored
+    as separate pieces) is built on `buffer`, so its pieces are views of it.
+    """
+    if hasattr(entry, "build"):
+        pieces = _pieces(dataclasses.replace(entry, data=buffer).build())
+    else:
+        pieces = [dataclasses.replace(entry, data=buffer, dtype=buffer.dtype)]
+    return [
+        (p.key, tuple(p.global_offset), p.data.view((1,) * p.prepend_axis_num + tuple(p.local_shape))) for p in pieces
+    ]
+
+
+def iter_checkpoint_tensors(path: Path, cfg: ModelConfig, params_dtype: str) -> Iterator[tuple[str, Tensor]]:
+    """(canonical name, full tensor) of a distributed checkpoint, layer by layer; needs a TP=PP=EP=1 process."""
+    gpt = _meta_model(cfg, params_dtype)
+    names = [name for name, _ in gpt.named_parameters()]
+    sharded = gpt.sharded_state_dict()
+    absent = [name for name in names if name not in sharded]
+    assert not absent, f"megatron's sharded state dict lacks parameters {absent}"
+    reader = CheckpointReader(path)
+    unsaved = sorted({sharded[n].key for n in names} - reader.keys())
+    if unsaved:
+        raise ValueError(
+            f"{path}: the checkpoint lacks tensors the {cfg.family} model needs (checkpoint keys): {unsaved[:50]}"
+            + (f" ... and {len(unsaved) - 50} more" if len(unsaved) > 50 else "")
+        )
+    for group in _groups(names):
+        buffers = {n: torch.empty(tuple(sharded[n].data.shape), dtype=reader.dtype(sharded[n].key)) for n in group}
+        reader.read([region for n in group for region in _regions(sharded[n], buffers[n])])
+        for name in group:
+            yield name, buffers[name]
+
+
+def _config_json(cfg: ModelConfig, source: Path | None, dtype_name: str) -> dict[str, Any]:
+    module = family(cfg)
+    if source is not None and (source / "config.json").is_file():
+        hf = getattr(module, "text_config", lambda hf: hf)(read_hf_config(source))
+        if family_of(hf) != cfg.family:
+            raise ValueError(f"{source}: config.json is a {family_of(hf)} model, the checkpoint a {cfg.family}")
+        diffs = hf_configs.differences(cfg, FAMILIES[cfg.family].model_config(hf, cfg.name))
+        if diffs:
+            raise ValueError(f"{source}/config.json disagrees with the checkpoint's model: {'; '.join(diffs)}")
+        hf = dict(hf)
+    else:
+        hf = _generated_config(cfg)
+    hf.pop("torch_dtype", None)
+    hf["dtype"] = dtype_name
+    return hf
+
+
+def _generated_config(cfg: ModelConfig) -> dict[str, Any]:
+    """A full config.json from the ModelConfig, via the transformers config class (its defaults filled in)."""
+    from transformers import AutoConfig
+
+    kwargs = family(cfg).hf_config(cfg)
+    model_type = kwargs.pop("model_type")
+    config = AutoConfig.for_model(model_type, **kwargs)
+    return config.to_dict()  # type: ignore[no-any-return]
+
+
+def _write_generation_config(out: Path, hf: dict[str, Any]) -> None:
+    if (out / "generation_config.json").exists():
+        return
+    from transformers import GenerationConfig
+
+    ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+    GenerationConfig(**ids).save_pretrained(out)
+
+
+def export_hf(
+    checkpoint_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    model_cfg: ModelConfig | None = None,
+    hf_source: str | Path | None = None,
+    shard_size: str | int = "5GB",
+    dtype: str | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write the HF directory `out_dir` from a megatron_rl (or plain megatron-core model) checkpoint.
+
+    `dtype` (bf16 | fp16 | fp32) casts every tensor; None keeps each tensor's saved dtype (an fp32 LM
+    head stays fp32). Runs in this process as a TP=PP=EP=1 megatron rank (no other layout may be active).
+    """
+    from tqdm import tqdm
+
+    path = resolve_checkpoint(checkpoint_dir)
+    cfg, meta = checkpoint_model_config(path, model_cfg)
+    family(cfg).check(cfg)
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or None, got {dtype!r}")
+    params_dtype = meta.get("params_dtype", "bf16")
+    source = Path(hf_source) if hf_source else (Path(cfg.hf_path) if cfg.hf_path else None)
+    if source is not None and not source.is_dir():
+        if hf_source:
+            raise FileNotFoundError(f"hf_source: {source} is not a directory")
+        source = None  # the run's start checkpoint is gone: generate config.json, no tokenizer
+    out = Path(out_dir)
+    if out.exists() and any(out.glob("*.safetensors")):
+        raise FileExistsError(f"{out}: already holds safetensors files")
+    out.mkdir(parents=True, exist_ok=True)
+    writer = ShardedWriter(out, parse_size(shard_size))
+    mapper = HFMapper(cfg)
+    cast = DTYPES[dtype] if dtype else None
+    with megatron_process(ParallelConfig()):
+        total = sum(p.numel() * p.element_size() for p in _meta_model(cfg, params_dtype).parameters())
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"export {path.name}", disable=not progress) as bar:
+            for name, tensor in iter_checkpoint_tensors(path, cfg, params_dtype):
+                for hf_name, hf_tensor in mapper.map(name, tensor):
+                    writer.add(hf_name, hf_tensor.to(cast) if cast is not None else hf_tensor)
+                bar.update(tensor.numel() * tensor.element_size())
+    mapper.finish()
+    files = writer.close()
+    dtype_name = HF_DTYPE_NAMES[cast or DTYPES[params_dtype]]
+    hf = _config_json(cfg, source, dtype_name)
+    (out / "config.json").write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+    copied = copy_side_files(source, out) if source is not None else []
+    _write_generation_config(out, hf)
+    if progress:
+        print(
+            f"export: {len(files)} safetensors file(s), {writer.total_bytes / 1e9:.3f} GB -> {out}"
+            + (f"; copied {', '.join(copied)} from {source}" if copied else "; no tokenizer files (no source dir)"),
+            file=sys.stderr,
+        )
+    return out
