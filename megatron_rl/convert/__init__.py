@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.convert import llama, llama4, qwen3, qwen3_moe
+from megatron_rl.convert import layers, llama, llama4, qwen3, qwen3_moe
 from megatron_rl.convert.layers import FromHF, HFTensors, Stacked
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "llama4": llama4}
@@ -124,11 +124,23 @@ class HFMapper:
         self.finish()
 
 
-def hf_shapes(cfg: ModelConfig, canonical: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
-    """HF name -> shape for canonical (name, shape) pairs, computed on meta tensors (nothing allocated)."""
+def canonical_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor of `cfg` with its full shape, from the config alone (no model, no files)."""
+    return {recipe.name: layers.canonical_shape(recipe.name, cfg) for recipe in from_hf(cfg)}
+
+
+def hf_plan(
+    cfg: ModelConfig, canonical: Iterable[tuple[str, tuple[int, ...], torch.dtype]]
+) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """(HF name, shape, dtype), in emission order, for canonical tensors given in order; nothing is allocated."""
     mapper = HFMapper(cfg)
-    meta = ((name, torch.empty(shape, device="meta")) for name, shape in canonical)
-    return {name: tuple(t.shape) for name, t in mapper.map_all(meta)}
+    meta = ((name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in canonical)
+    return [(name, tuple(t.shape), t.dtype) for name, t in mapper.map_all(meta)]
+
+
+def hf_shapes(cfg: ModelConfig, canonical: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape for canonical (name, shape) pairs."""
+    return {name: shape for name, shape, _ in hf_plan(cfg, ((n, s, torch.float32) for n, s in canonical))}
 
 
 # Import and export carry the megatron-side machinery (imported lazily inside their functions).
@@ -143,7 +155,9 @@ __all__ = [
     "export_hf",
     "family",
     "family_of",
+    "canonical_shapes",
     "from_hf",
+    "hf_plan",
     "hf_shapes",
     "import_hf",
     "load_hf_into_model",

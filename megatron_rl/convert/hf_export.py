@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, TrainerConfig, build
-from megatron_rl.convert import FAMILIES, HFMapper, family, family_of, hf_configs, read_hf_config
+from megatron_rl.convert import FAMILIES, HFMapper, family, family_of, hf_configs, hf_plan, read_hf_config
 from megatron_rl.convert.checkpoint_reader import CheckpointReader, Region
 from megatron_rl.convert.hf_files import ShardedWriter, copy_side_files, parse_size
 from megatron_rl.convert.runtime import megatron_process
@@ -117,25 +119,38 @@ def _regions(entry: Any, buffer: Tensor) -> list[Region]:
     ]
 
 
-def iter_checkpoint_tensors(path: Path, cfg: ModelConfig, params_dtype: str) -> Iterator[tuple[str, Tensor]]:
-    """(canonical name, full tensor) of a distributed checkpoint, layer by layer; needs a TP=PP=EP=1 process."""
-    gpt = _meta_model(cfg, params_dtype)
-    names = [name for name, _ in gpt.named_parameters()]
-    sharded = gpt.sharded_state_dict()
-    absent = [name for name in names if name not in sharded]
-    assert not absent, f"megatron's sharded state dict lacks parameters {absent}"
-    reader = CheckpointReader(path)
-    unsaved = sorted({sharded[n].key for n in names} - reader.keys())
-    if unsaved:
-        raise ValueError(
-            f"{path}: the checkpoint lacks tensors the {cfg.family} model needs (checkpoint keys): {unsaved[:50]}"
-            + (f" ... and {len(unsaved) - 50} more" if len(unsaved) > 50 else "")
-        )
-    for group in _groups(names):
-        buffers = {n: torch.empty(tuple(sharded[n].data.shape), dtype=reader.dtype(sharded[n].key)) for n in group}
-        reader.read([region for n in group for region in _regions(sharded[n], buffers[n])])
-        for name in group:
-            yield name, buffers[name]
+class CheckpointTensors:
+    """A distributed checkpoint read as a TP=1/PP=1/EP=1 model's parameters; needs a TP=PP=EP=1 process."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, params_dtype: str) -> None:
+        gpt = _meta_model(cfg, params_dtype)
+        self.path, self.cfg = path, cfg
+        self.names = [name for name, _ in gpt.named_parameters()]
+        self.sharded = gpt.sharded_state_dict()
+        absent = [name for name in self.names if name not in self.sharded]
+        assert not absent, f"megatron's sharded state dict lacks parameters {absent}"
+        self.reader = CheckpointReader(path)
+        unsaved = sorted({self.sharded[n].key for n in self.names} - self.reader.keys())
+        if unsaved:
+            raise ValueError(
+                f"{path}: the checkpoint lacks tensors the {cfg.family} model needs (checkpoint keys): "
+                f"{unsaved[:50]}" + (f" ... and {len(unsaved) - 50} more" if len(unsaved) > 50 else "")
+            )
+
+    def canonical(self) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(canonical name, full shape, saved dtype) of every tensor, in order."""
+        return [(n, tuple(self.sharded[n].data.shape), self.reader.dtype(self.sharded[n].key)) for n in self.names]
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        """(canonical name, full tensor), one layer read at a time."""
+        for group in _groups(self.names):
+            buffers = {
+                n: torch.empty(tuple(self.sharded[n].data.shape), dtype=self.reader.dtype(self.sharded[n].key))
+                for n in group
+            }
+            self.reader.read([region for n in group for region in _regions(self.sharded[n], buffers[n])])
+            for name in group:
+                yield name, buffers[name]
 
 
 def _config_json(cfg: ModelConfig, source: Path | None, dtype_name: str) -> dict[str, Any]:
@@ -206,15 +221,19 @@ def export_hf(
     if out.exists() and any(out.glob("*.safetensors")):
         raise FileExistsError(f"{out}: already holds safetensors files")
     out.mkdir(parents=True, exist_ok=True)
-    writer = ShardedWriter(out, parse_size(shard_size))
     mapper = HFMapper(cfg)
     cast = DTYPES[dtype] if dtype else None
+    start = time.perf_counter()
     with megatron_process(ParallelConfig()):
-        total = sum(p.numel() * p.element_size() for p in _meta_model(cfg, params_dtype).parameters())
+        tensors = CheckpointTensors(path, cfg, params_dtype)
+        canonical = tensors.canonical()
+        plan = hf_plan(cfg, [(name, shape, cast or saved) for name, shape, saved in canonical])
+        writer = ShardedWriter(out, parse_size(shard_size), plan)
+        total = sum(math.prod(shape) * saved.itemsize for _, shape, saved in canonical)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"export {path.name}", disable=not progress) as bar:
-            for name, tensor in iter_checkpoint_tensors(path, cfg, params_dtype):
-                for hf_name, hf_tensor in mapper.map(name, tensor):
-                    writer.add(hf_name, hf_tensor.to(cast) if cast is not None else hf_tensor)
+            for name, tensor in tensors:
+                for hf_name, hf_tensor in mapper.map(name, tensor.to(cast) if cast is not None else tensor):
+                    writer.add(hf_name, hf_tensor)
                 bar.update(tensor.numel() * tensor.element_size())
     mapper.finish()
     files = writer.close()
@@ -225,7 +244,8 @@ def export_hf(
     _write_generation_config(out, hf)
     if progress:
         print(
-            f"export: {len(files)} safetensors file(s), {writer.total_bytes / 1e9:.3f} GB -> {out}"
+            f"export: {len(files)} safetensors file(s), {writer.total_bytes / 1e9:.3f} GB in "
+            f"{time.perf_counter() - start:.1f} s -> {out}"
             + (f"; copied {', '.join(copied)} from {source}" if copied else "; no tokenizer files (no source dir)"),
             file=sys.stderr,
         )

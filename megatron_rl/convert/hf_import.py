@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,16 @@ from typing import Any
 import torch
 
 from megatron_rl.config import ModelConfig, ParallelConfig, TrainerConfig
-from megatron_rl.convert import FAMILIES, family, family_of, from_hf, hf_configs, hf_shapes, read_hf_config
+from megatron_rl.convert import (
+    FAMILIES,
+    family,
+    family_of,
+    from_hf,
+    hf_configs,
+    hf_shapes,
+    model_config_from_hf,
+    read_hf_config,
+)
 from megatron_rl.convert.hf_files import HFReader
 from megatron_rl.convert.runtime import megatron_process, spawn
 
@@ -164,8 +174,11 @@ def _import_rank(hf_dir: Path, cfg: ModelConfig, parallel: ParallelConfig, train
     from megatron_rl.trainer.model import build_model
 
     with megatron_process(parallel, trainer.seed):
+        start = time.perf_counter()
         model = build_model(cfg, parallel, trainer)
+        built = time.perf_counter()
         load_hf_into_model(model, cfg, hf_dir)
+        loaded = time.perf_counter()
         if dist.get_rank() == 0:
             out.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -173,6 +186,12 @@ def _import_rank(hf_dir: Path, cfg: ModelConfig, parallel: ParallelConfig, train
         if dist.get_rank() == 0:
             write_metadata(out, cfg, parallel, trainer.params_dtype, hf_dir)
         dist.barrier()
+        if dist.get_rank() == 0:
+            print(
+                f"import: rank 0 built its model chunk in {built - start:.1f} s, loaded the HF tensors in "
+                f"{loaded - built:.1f} s, saved the checkpoint in {time.perf_counter() - loaded:.1f} s",
+                file=sys.stderr,
+            )
 
 
 def import_hf(
@@ -193,7 +212,7 @@ def import_hf(
     `params_dtype` / `fp32_lm_head` are the trainer's (trainer.params_dtype, trainer.fp32_lm_head).
     """
     hf_dir = Path(hf_dir)
-    cfg = model_cfg or _model_config(hf_dir)
+    cfg = model_cfg or model_config_from_hf(hf_dir)
     if model is not None:
         if parallel is not None:
             check_layout(parallel)
@@ -215,9 +234,3 @@ def import_hf(
     else:
         spawn(_import_rank, parallel, hf_dir, cfg, parallel, trainer, out)
     return out
-
-
-def _model_config(hf_dir: Path) -> ModelConfig:
-    from megatron_rl.convert import model_config_from_hf
-
-    return model_config_from_hf(hf_dir)

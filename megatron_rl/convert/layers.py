@@ -203,3 +203,30 @@ def model_from_hf(cfg: ModelConfig, mlp_from_hf_of_layer: Callable[[int], Iterat
     yield copy("decoder.final_layernorm.weight", "model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield copy("output_layer.weight", "lm_head.weight")
+
+
+def canonical_shape(name: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """The full shape of a canonical megatron tensor of `cfg` (what a TP=1/PP=1/EP=1 model holds)."""
+    hidden, dim = cfg.hidden_size, cfg.head_dim
+    ffn = cfg.ffn_hidden_size
+    if ".experts.local_experts." in name:
+        ffn = cfg.moe.ffn_hidden_size or cfg.ffn_hidden_size
+    elif ".shared_experts." in name:
+        ffn = cfg.moe.shared_expert_ffn_hidden_size or 0
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return (cfg.vocab_size, hidden)
+    if name.endswith(("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")):
+        return (dim,)
+    if name.endswith("layernorm.weight"):
+        return (hidden,)
+    if name.endswith("linear_qkv.weight"):
+        return ((cfg.num_attention_heads + 2 * cfg.num_query_groups) * dim, hidden)
+    if name.endswith("linear_proj.weight"):
+        return (hidden, cfg.num_attention_heads * dim)
+    if name.endswith("router.weight"):
+        return (cfg.moe.num_experts or 0, hidden)
+    if name.endswith("linear_fc1.weight"):
+        return (2 * ffn, hidden)
+    if name.endswith("linear_fc2.weight"):
+        return (hidden, ffn)
+    raise KeyError(f"no shape rule for megatron tensor {name!r}")

@@ -50,12 +50,12 @@ def run_job(job: dict, world: int) -> dict:
     from pathlib import Path
 
     from megatron_rl.config import ParallelConfig, TrainerConfig, load_config
-    from megatron_rl.convert import HFMapper, from_hf, import_hf
+    from megatron_rl.convert import HFMapper, canonical_shapes, from_hf, import_hf
     from megatron_rl.convert.hf_files import HFReader
     from megatron_rl.convert.hf_import import write_metadata
     from megatron_rl.convert.runtime import megatron_process
     from megatron_rl.trainer.model import build_model
-    from megatron_rl.trainer.weights import iter_full_weights, iter_hf_weights, load_full_weights
+    from megatron_rl.trainer.weights import full_shapes, iter_full_weights, iter_hf_weights, load_full_weights
 
     cfg = load_config("scalerl-cpu", job["model"], job.get("overrides", [])).model
     parallel = ParallelConfig(tp=job.get("tp", 1), pp=job.get("pp", 1), ep=job.get("ep", 1), trainer_devices=world)
@@ -69,6 +69,8 @@ def run_job(job: dict, world: int) -> dict:
         truth = {recipe.name: recipe.build(reader) for recipe in from_hf(cfg)}  # TP=PP=EP=1, from the files
         full = [(name, t.clone()) for bucket in iter_full_weights(gpt, 1 << 14) for name, t in bucket]
         result["names"] = [name for name, _ in full]
+        shapes = {name: shape for name, shape, _ in full_shapes(gpt)}
+        result["shapes_match"] = shapes == canonical_shapes(cfg) == {name: tuple(t.shape) for name, t in full}
         result["full_equal"] = sorted(truth) == sorted(result["names"]) and all(
             torch.equal(truth[name], t) for name, t in full
         )

@@ -129,6 +129,7 @@ def _check_job(result: dict, key: str, hf_dirs: dict[str, Path], reference: list
     assert worst < LOGITS_TOLERANCE, f"{key}: megatron vs transformers logits differ by {worst}"
     assert result["full_equal"], f"{key}: iter_full_weights differs from the TP=1 tensors built from the HF files"
     assert result["reload_equal"], f"{key}: load_full_weights -> iter_full_weights is not the identity"
+    assert result["shapes_match"], f"{key}: megatron's full shapes differ from convert.canonical_shapes(cfg)"
     original = _hf_tensors(hf_dirs[key])
     _assert_bit_identical(result["hf"], original)  # weight sync: HF names and tensors
     _assert_bit_identical(result["hf_direct"], original)
@@ -236,13 +237,15 @@ def test_cli_errors_are_one_line(tmp_path, hf_dirs):
 
 
 @pytest.mark.slow
-def test_trainer_log_probs_after_import_match_transformers(tmp_path, hf_dirs):
-    """The RL trainer's own fp32 log-prob path (trainer/step.py) on an imported TP=2 model."""
+def test_trainer_imports_and_its_own_checkpoint_exports_back(tmp_path, hf_dirs):
+    """The RL trainer's fp32 log-probs (trainer/step.py) on an imported TP=2 model match transformers, and the
+    checkpoint it saves (trainer/checkpoint.py: model + optimizer, `latest` marker) exports bit-identically."""
     from transformers import AutoModelForCausalLM
 
-    hf = hf_dirs["llama"]
+    hf, root = hf_dirs["llama"], tmp_path / "checkpoints"
     overrides = [*MODELS["llama"][1], "parallel.tp=2", "parallel.trainer_devices=2", "trainer.params_dtype=fp32"]
-    result = _run(tmp_path, "trainer", {"model": "tiny_dense", "hf": str(hf), "overrides": overrides}, world=2)[0]
+    spec = {"model": "tiny_dense", "hf": str(hf), "overrides": overrides, "save": str(root)}
+    result = _run(tmp_path, "trainer", spec, world=2)[0]
     model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     expected = []
     for group in fixed_batch(vocab=512):
@@ -251,7 +254,8 @@ def test_trainer_log_probs_after_import_match_transformers(tmp_path, hf_dirs):
             with torch.no_grad():
                 logp = torch.log_softmax(model(ids).logits[0].double(), -1)
             expected.append([float(logp[i - 1, ids[0, i]]) for i in range(len(c.prompt_tokens), ids.shape[1])])
-    worst = max(
-        abs(a - b) for x, y in zip(result["logprobs"], expected, strict=True) for a, b in zip(x, y, strict=True)
-    )
-    assert worst < 1e-4
+    pairs = zip(result["logprobs"], expected, strict=True)
+    assert max(abs(a - b) for x, y in pairs for a, b in zip(x, y, strict=True)) < 1e-4
+    done = _cli("--to-hf", str(root), "--out", str(tmp_path / "hf"), "--hf-source", str(hf), "--no-progress")
+    assert done.returncode == 0, done.stderr[-4000:]
+    _assert_bit_identical(_hf_tensors(tmp_path / "hf"), _hf_tensors(hf))

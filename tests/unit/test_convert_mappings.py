@@ -166,18 +166,27 @@ def test_missing_extra_and_misshaped_hf_tensors_are_listed(hf_dirs, tmp_path):
     assert "1 shape mismatches: lm_head.weight (expected (512, 64), got (511, 64))" in message
 
 
-def test_sharded_writer_splits_by_size_and_indexes(tmp_path):
-    writer = ShardedWriter(tmp_path, parse_size("1KB"))
+def test_sharded_writer_streams_planned_shards_and_indexes(tmp_path):
     tensors = {f"t{i}": torch.full((100,), float(i)) for i in range(5)}  # 400 bytes each
     tensors["big"] = torch.zeros(600)  # larger than a shard: alone
+    tensors["half"] = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    plan = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    writer = ShardedWriter(tmp_path, parse_size("1KB"), plan)
+    with pytest.raises(ValueError, match="expected HF tensor 't0' next, got 't1'"):
+        writer.add("t1", tensors["t1"])
     for name, tensor in tensors.items():
         writer.add(name, tensor)
     files = writer.close()
-    assert [f.name for f in files] == [f"model-0000{i}-of-00004.safetensors" for i in range(1, 5)]
+    assert [f.name for f in files] == [f"model-0000{i}-of-00005.safetensors" for i in range(1, 6)]
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
-    assert index["metadata"]["total_size"] == 5 * 400 + 2400
+    assert index["metadata"]["total_size"] == 5 * 400 + 2400 + 12
+    assert index["weight_map"]["big"] == "model-00004-of-00005.safetensors"
     reader = HFReader(tmp_path)
     assert all(torch.equal(reader.get(name), tensor) for name, tensor in tensors.items())
     assert parse_size("2GiB") == 2 << 30 and parse_size(123) == 123
     with pytest.raises(ValueError, match="expected a size"):
         parse_size("lots")
+    incomplete = ShardedWriter(tmp_path / "partial", 1000, plan)
+    incomplete.add("t0", tensors["t0"])
+    with pytest.raises(ValueError, match="6 planned HF tensors were never written"):
+        incomplete.close()
