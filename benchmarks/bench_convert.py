@@ -13,9 +13,9 @@
 5. The exported tensors are checked against the checksums (names, shapes, dtypes and bytes).
 
 Throughput = checkpoint bytes / wall time of the command (Python start and megatron import included).
-Peak memory is sampled every 0.1 s over the command's process tree (the spawned ranks summed): resident
-set size, and its anonymous part (RssAnon: without the memory-mapped safetensors pages, which the kernel
-can drop at will).
+Peak memory is sampled every 0.1 s over the command's process tree (spawned ranks and helpers summed) as
+proportional set size (PSS), and its anonymous part (without the page cache of memory-mapped safetensors
+files, which the kernel can drop at will).
 """
 
 from __future__ import annotations
@@ -72,33 +72,38 @@ def write_random_hf(cfg: ModelConfig, out: Path, seed: int) -> dict[str, tuple[l
 
 
 class PeakMemory:
-    """Peak RSS and RssAnon (bytes) of a process tree, summed over its processes, sampled in a thread."""
+    """Peak proportional set size of a process tree (bytes, summed over its processes), sampled in a thread.
+
+    PSS splits pages shared between processes (the checkpoint writer's forked helpers, mapped files read
+    by several ranks) among them, so the sum is the tree's real footprint. Reported twice: all of it, and
+    its anonymous part (Pss_Anon: without the page cache of memory-mapped safetensors files).
+    """
 
     def __init__(self, pid: int) -> None:
         self.root = psutil.Process(pid)
-        self.rss = self.anon = 0
+        self.pss = self.anon = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            rss = anon = 0
+            pss = anon = 0
             try:
                 for proc in [self.root, *self.root.children(recursive=True)]:
-                    status = Path(f"/proc/{proc.pid}/status").read_text()
-                    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-                    rss += int(fields["VmRSS"].split()[0]) * 1024
-                    anon += int(fields["RssAnon"].split()[0]) * 1024
-            except (psutil.Error, FileNotFoundError, KeyError, ProcessLookupError):
+                    rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text()
+                    fields = {k.strip(): v for k, _, v in (line.partition(":") for line in rollup.splitlines()[1:])}
+                    pss += int(fields["Pss"].split()[0]) * 1024
+                    anon += int(fields["Pss_Anon"].split()[0]) * 1024
+            except (psutil.Error, OSError, KeyError, ValueError):
                 pass  # a process ended between listing and reading
-            self.rss, self.anon = max(self.rss, rss), max(self.anon, anon)
+            self.pss, self.anon = max(self.pss, pss), max(self.anon, anon)
             time.sleep(0.1)
 
     def stop(self) -> tuple[int, int]:
         self._stop.set()
         self._thread.join()
-        return self.rss, self.anon
+        return self.pss, self.anon
 
 
 def run_cli(args: list[str]) -> tuple[float, int, int, str]:
@@ -114,11 +119,11 @@ def run_cli(args: list[str]) -> tuple[float, int, int, str]:
     memory = PeakMemory(proc.pid)
     out, err = proc.communicate()
     elapsed = time.perf_counter() - start
-    rss, anon = memory.stop()
+    pss, anon = memory.stop()
     if proc.returncode:
         sys.exit(f"convert {' '.join(args)} failed:\n{err[-4000:]}")
     phases = [line for line in (out + err).splitlines() if line.startswith(("import:", "export:"))]
-    return elapsed, rss, anon, " | ".join(phases)
+    return elapsed, pss, anon, " | ".join(phases)
 
 
 def verify(out: Path, sums: dict[str, tuple[list[int], str, str]]) -> bool:
@@ -158,10 +163,10 @@ def main() -> None:
     print(f"{cfg.name}: {nbytes / GB:.2f} GB bf16 HF checkpoint written in {time.perf_counter() - start:.0f} s")
 
     layout = ["--tp", str(args.tp), "--pp", str(args.pp), "--ep", str(args.ep)]
-    import_s, import_rss, import_anon, import_log = run_cli(["--from-hf", str(hf), "--out", str(ckpt), *layout])
+    import_s, import_pss, import_anon, import_log = run_cli(["--from-hf", str(hf), "--out", str(ckpt), *layout])
     for weights in [*hf.glob("*.safetensors"), hf / "model.safetensors.index.json"]:
         weights.unlink(missing_ok=True)
-    export_s, export_rss, export_anon, export_log = run_cli(
+    export_s, export_pss, export_anon, export_log = run_cli(
         ["--to-hf", str(ckpt), "--out", str(exported), "--dtype", "bf16"]
     )
     identical = verify(exported, sums)
@@ -169,20 +174,20 @@ def main() -> None:
         "model": cfg.name,
         "gigabytes": nbytes / GB,
         "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},
-        "import": {"seconds": import_s, "GB/s": nbytes / GB / import_s, "peak_rss_GB": import_rss / GB,
+        "import": {"seconds": import_s, "GB/s": nbytes / GB / import_s, "peak_pss_GB": import_pss / GB,
                    "peak_anon_GB": import_anon / GB, "log": import_log},
-        "export": {"seconds": export_s, "GB/s": nbytes / GB / export_s, "peak_rss_GB": export_rss / GB,
+        "export": {"seconds": export_s, "GB/s": nbytes / GB / export_s, "peak_pss_GB": export_pss / GB,
                    "peak_anon_GB": export_anon / GB, "log": export_log},
         "bit_identical": identical,
     }  # fmt: skip
-    print("| direction | layout | GB | seconds | GB/s | peak RSS GB (sum of processes) | peak anonymous GB |")
+    print("| direction | layout | GB | seconds | GB/s | peak PSS GB (all processes) | of which anonymous GB |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for direction in ("import", "export"):
         r = results[direction]
         where = f"TP{args.tp} PP{args.pp} EP{args.ep}" if direction == "import" else "1 process"
         print(
             f"| {direction} | {where} | {nbytes / GB:.2f} | {r['seconds']:.1f} | {r['GB/s']:.3f} | "
-            f"{r['peak_rss_GB']:.2f} | {r['peak_anon_GB']:.2f} |"
+            f"{r['peak_pss_GB']:.2f} | {r['peak_anon_GB']:.2f} |"
         )
     print(f"round trip bit-identical: {identical}")
     print(import_log)

@@ -77,7 +77,7 @@ def _meta_model(cfg: ModelConfig, params_dtype: str) -> Any:
 
     trainer = TrainerConfig(params_dtype=params_dtype, fp32_lm_head=False)  # type: ignore[arg-type]
     with torch.device("meta"):
-        return build_model(cfg, ParallelConfig(), trainer)
+        return build_model(cfg, ParallelConfig(), trainer, initialize=False)
 
 
 def _groups(names: list[str]) -> Iterator[list[str]]:

@@ -175,7 +175,7 @@ def _import_rank(hf_dir: Path, cfg: ModelConfig, parallel: ParallelConfig, train
 
     with megatron_process(parallel, trainer.seed):
         start = time.perf_counter()
-        model = build_model(cfg, parallel, trainer)
+        model = build_model(cfg, parallel, trainer, initialize=False)  # every weight comes from the files
         built = time.perf_counter()
         load_hf_into_model(model, cfg, hf_dir)
         loaded = time.perf_counter()

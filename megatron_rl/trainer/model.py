@@ -104,8 +104,11 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
     )
 
 
-def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig) -> Any:
-    """This rank's GPTModel chunk (not wrapped in DDP), on the current device, FP32 head applied."""
+def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig, initialize: bool = True) -> Any:
+    """This rank's GPTModel chunk (not wrapped in DDP), on the current device, FP32 head applied.
+
+    `initialize=False` leaves the weights uninitialised (for an import that overwrites every one of them).
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -113,6 +116,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
     from megatron_rl.trainer import cpu_compat
 
     config = transformer_config(model, parallel, trainer)
+    config.perform_initialization = initialize
     te = use_transformer_engine(trainer)
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", qk_l2_norm=model.qk_l2_norm
