@@ -34,6 +34,9 @@ MODELS = {
     "qwen3_moe": ("tiny_moe", []),
     # Scout's RoPE scaling (factor 16, low = high frequency factor 1), NoPE on layer 1, shared + routed experts
     "llama4": ("tiny_llama4", ["model.rope_scaling_factor=16.0", "model.rope_high_freq_factor=1.0"]),
+    # every 2nd layer MoE (Maverick's interleave_moe_layer_step, Qwen3-MoE's decoder_sparse_step): layer 0 dense
+    "llama4_interleaved": ("tiny_llama4", ["model.moe.layer_freq=2"]),
+    "qwen3_moe_interleaved": ("tiny_moe", ["model.moe.layer_freq=2"]),
 }
 LAYOUTS = {  # 2-rank jobs: (model, tp, pp, ep)
     "llama_tp2": ("llama", 2, 1, 1),

@@ -31,6 +31,9 @@ FAMILY_MODELS = {
     "qwen3_untied": ("tiny_qwen3", ["model.tie_word_embeddings=false"]),
     "qwen3_moe": ("tiny_moe", []),
     "llama4": ("tiny_llama4", ["model.rope_scaling_factor=16.0", "model.rope_high_freq_factor=1.0"]),
+    # every 2nd layer MoE (Maverick's interleave_moe_layer_step, Qwen3-MoE's decoder_sparse_step): layer 0 dense
+    "llama4_interleaved": ("tiny_llama4", ["model.moe.layer_freq=2"]),
+    "qwen3_moe_interleaved": ("tiny_moe", ["model.moe.layer_freq=2"]),
 }
 
 
