@@ -132,11 +132,11 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def differences(cfg: ModelConfig, from_hf: ModelConfig) -> list[str]:
-    """Architecture fields where the configured model and an HF config.json disagree."""
-    mine, theirs = _checked(cfg), _checked(from_hf)
+def differences(cfg: ModelConfig, other: ModelConfig, labels: tuple[str, str] = ("config", "config.json")) -> list[str]:
+    """Architecture fields where two model configs disagree (by default: ours and an HF config.json's)."""
+    mine, theirs = _checked(cfg), _checked(other)
     return [
-        f"model.{k} (config {mine.get(k)!r}, config.json {theirs.get(k)!r})"
+        f"model.{k} ({labels[0]} {mine.get(k)!r}, {labels[1]} {theirs.get(k)!r})"
         for k in sorted(mine.keys() | theirs.keys())
         if not _same(mine.get(k), theirs.get(k))
     ]

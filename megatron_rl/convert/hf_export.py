@@ -64,7 +64,7 @@ def checkpoint_model_config(path: Path, model_cfg: ModelConfig | None) -> tuple[
     except ConfigError as exc:
         raise ValueError(f"{meta_file}: {exc}") from None
     if model_cfg is not None:
-        diffs = hf_configs.differences(saved, model_cfg)
+        diffs = hf_configs.differences(saved, model_cfg, ("checkpoint", "requested"))
         if saved.family != model_cfg.family:
             diffs.insert(0, f"model.family (checkpoint {saved.family!r}, requested {model_cfg.family!r})")
         if diffs:

@@ -193,3 +193,23 @@ def test_sharded_writer_streams_planned_shards_and_indexes(tmp_path):
     incomplete.add("t0", tensors["t0"])
     with pytest.raises(ValueError, match="6 planned HF tensors were never written"):
         incomplete.close()
+
+
+def test_export_refuses_a_model_config_that_differs_from_the_checkpoints(tmp_path):
+    import dataclasses
+
+    from megatron_rl.convert.hf_export import checkpoint_model_config, resolve_checkpoint
+
+    with pytest.raises(FileNotFoundError, match="not a megatron-core distributed checkpoint"):
+        resolve_checkpoint(tmp_path)
+    saved = model_cfg("qwen3_moe")
+    meta = {"step": 3, "model": dataclasses.asdict(saved), "parallel": {"tp": 1, "pp": 1, "ep": 2}}
+    (tmp_path / "megatron_rl.json").write_text(json.dumps(meta))
+    cfg, _ = checkpoint_model_config(tmp_path, None)
+    assert cfg == saved
+    other = model_cfg("qwen3_moe")
+    other.moe.num_experts = 8
+    with pytest.raises(ValueError, match=r"requested one: model.moe.num_experts \(checkpoint 4, requested 8\)"):
+        checkpoint_model_config(tmp_path, other)
+    with pytest.raises(ValueError, match="model.family \\(checkpoint 'qwen3_moe', requested 'llama'\\)"):
+        checkpoint_model_config(tmp_path, model_cfg("llama"))
