@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -170,7 +171,7 @@ def main() -> None:
         ["--to-hf", str(ckpt), "--out", str(exported), "--dtype", "bf16"]
     )
     identical = verify(exported, sums)
-    results = {
+    results: dict[str, Any] = {
         "model": cfg.name,
         "gigabytes": nbytes / GB,
         "layout": {"tp": args.tp, "pp": args.pp, "ep": args.ep},

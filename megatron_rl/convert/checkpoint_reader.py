@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint import load as dcp_load
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -37,11 +37,14 @@ class _RegionPlanner(DefaultLoadPlanner):
         self._dest: dict[tuple[str, tuple[int, ...]], Tensor] = {}
 
     def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # set by set_up_planner
         items: list[ReadItem] = []
         for key, offsets, dest in self.regions:
+            saved = self.metadata.state_dict_metadata[key]
+            assert isinstance(saved, TensorStorageMetadata), f"{key} is not a tensor in the checkpoint"
             chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.shape)
             self._dest[(key, tuple(offsets))] = dest
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+            items += create_read_items_for_chunk_list(key, saved, [chunk])
         return LoadPlan(items)
 
     def lookup_tensor(self, index: MetadataIndex) -> Tensor:

@@ -121,8 +121,10 @@ def attention_to_hf(rest: str, tensor: Tensor, prefix: str, cfg: ModelConfig) ->
 def attention_from_hf(layer: int, cfg: ModelConfig) -> Iterator[FromHF]:
     hf, mg = f"model.layers.{layer}.", f"decoder.layers.{layer}."
     yield copy(mg + "input_layernorm.weight", hf + "input_layernorm.weight")
-    qkv = tuple(f"{hf}self_attn.{p}_proj.weight" for p in "qkv")
-    yield FromHF(mg + "self_attention.linear_qkv.weight", qkv, lambda r: join_qkv(*(r.get(n) for n in qkv), cfg))
+    q, k, v = (f"{hf}self_attn.{p}_proj.weight" for p in "qkv")
+    yield FromHF(
+        mg + "self_attention.linear_qkv.weight", (q, k, v), lambda r: join_qkv(r.get(q), r.get(k), r.get(v), cfg)
+    )
     if cfg.qk_layernorm:
         yield copy(mg + "self_attention.q_layernorm.weight", hf + "self_attn.q_norm.weight")
         yield copy(mg + "self_attention.k_layernorm.weight", hf + "self_attn.k_norm.weight")

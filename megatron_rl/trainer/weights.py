@@ -199,9 +199,9 @@ def iter_full_weights(model: Any, bucket_bytes: int = 512 << 20) -> Iterator[lis
     bucket: list[tuple[str, Tensor]] = []
     size = 0
     for stage, entries in enumerate(plan):
-        mine = pp_size == 1 or stage == pp_rank
+        local = pp_size == 1 or stage == pp_rank
         for index, (name, shape, dtype) in enumerate(entries):
-            tensor = _whole(shards[index]) if mine else torch.empty(shape, dtype=dtype, device=device)
+            tensor = _whole(shards[index]) if local else torch.empty(shape, dtype=dtype, device=device)
             if pp_size > 1:
                 tensor = tensor.contiguous()
                 dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
