@@ -108,12 +108,9 @@ class EngineGroup:
         return await trainers.call("push_weights")
 
     def metrics(self) -> dict[str, float]:
-        balancer = self.balancer
-        return {
-            "rollout/engine_retries": float(balancer.retries if balancer else 0),
-            "rollout/engine_failures": float(balancer.failures if balancer else 0),
-            "rollout/engine_restarts": float(self.restarts),
-        }
+        metrics = self.balancer.metrics() if self.balancer else {}
+        metrics["rollout/engine_restarts"] = float(self.restarts)
+        return metrics
 
     async def stop(self) -> None:
         for client in self.clients:
