@@ -32,7 +32,8 @@ class Prompt:
     answer: str | None = None
     """Reference answer (math)."""
     tests: dict[str, Any] | None = None
-    """Test cases (code): stdin/stdout, call-based or assert-based; see rewards/code.py."""
+    """Test cases (code): stdin/stdout, call-based or assert-based; see rewards/code.py. DeepCoder's
+    per-case lists are converted to these forms when the row is loaded."""
 
 
 # For each task: field -> accepted column names, in order of preference.
@@ -84,9 +85,12 @@ def parse_row(row: Any, task: str, source: str, index: int) -> Prompt:
                 tests = json.loads(tests)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{where}: field 'tests' is a string but not JSON: {exc}") from None
-        if not isinstance(tests, dict):
-            raise DatasetError(f"{where}: field 'tests' must be an object (stdin/stdout, fn_name or asserts)")
-        values["tests"] = tests
+        from megatron_rl.rewards.code import normalise_tests  # here: rewards imports this module
+
+        try:
+            values["tests"] = normalise_tests(tests)
+        except ValueError as exc:
+            raise DatasetError(f"{where}: field 'tests': {exc}") from None
     prompt_id = str(row.get("id", row.get("problem_id", f"{Path(source).stem}-{index}")))
     return Prompt(id=prompt_id, task=task, **values)
 

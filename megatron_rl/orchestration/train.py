@@ -34,7 +34,7 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     on the synthetic task's worked solutions (`trainer.warm_start_steps`)."""
     from megatron_rl.data.synthetic import SOLUTIONS
     from megatron_rl.data.tiny import build_tiny_model
-    from megatron_rl.orchestration.warmstart import warm_start
+    from megatron_rl.orchestration.warmstart import WarmupTask, warm_start
 
     if run.model.hf_path:
         path = Path(run.model.hf_path)
@@ -44,16 +44,18 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     base = build_tiny_model(cache / f"{run.model.name}-seed{run.seed}", run.model, seed=run.seed)
     if run.trainer.warm_start_steps == 0:
         return base
-    dataset = run.data.datasets[0]
-    task = dataset.source.removeprefix("synthetic:")
-    if not dataset.source.startswith("synthetic:") or task not in SOLUTIONS:
-        raise ValueError(
-            f"trainer.warm_start_steps: the warm-up needs a synthetic task with worked solutions "
-            f"({sorted(SOLUTIONS)}); data.datasets[0].source is {dataset.source!r}"
-        )
-    prompts = splits.train[dataset.source]
-    out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}"
-    return warm_start(base, out, prompts, SOLUTIONS[task], steps=run.trainer.warm_start_steps, seed=run.seed)
+    tasks = []
+    for i, dataset in enumerate(run.data.datasets):
+        name = dataset.source.removeprefix("synthetic:")
+        if not dataset.source.startswith("synthetic:") or name not in SOLUTIONS:
+            raise ValueError(
+                f"trainer.warm_start_steps: the warm-up needs synthetic tasks with worked solutions "
+                f"({sorted(SOLUTIONS)}); data.datasets[{i}].source is {dataset.source!r}"
+            )
+        tasks.append(WarmupTask(splits.train[dataset.source], SOLUTIONS[name], dataset.weight))
+    names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
+    out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
+    return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed)
 
 
 class StopFlag:
@@ -202,7 +204,7 @@ async def _train(run: RunConfig) -> Path:
     if stop:
         print(f"stopped by {stop.signal} at step {step}; checkpoint saved, resume with the same command", flush=True)
     else:
-        _final_fit(logger.path, run_dir)
+        _final_fit(logger.path, run_dir, set(splits.val))
     return run_dir
 
 
@@ -235,10 +237,12 @@ def _live_fit(rows: list[dict[str, Any]], latest: dict[str, float], device_hours
     return live_prediction(points)
 
 
-def _final_fit(metrics_path: Path, run_dir: Path) -> None:
+def _final_fit(metrics_path: Path, run_dir: Path, tasks: set[str]) -> None:
     """Print the fitted compute-performance curve of this run and write its plot."""
     try:
         from megatron_rl.scaling.cli import main as fit_main
     except ImportError:
         return
     fit_main([str(metrics_path), "--plot", str(run_dir / "scaling_curve.png")])
+    if len(tasks) > 1:  # multi-task: one curve per task as well (SCALERL.md: math and code fitted separately)
+        fit_main([str(metrics_path), "--metric", "val/pass_rate/*", "--plot", str(run_dir / "scaling_curve_tasks.png")])

@@ -14,29 +14,40 @@ import json
 import random
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.data.datasets import Prompt
 
 
+@dataclass
+class WarmupTask:
+    """One synthetic task's training prompts, its worked-solution function, and its share of each batch."""
+
+    prompts: list[Prompt]
+    solution: Callable[[str], str]
+    weight: float = 1.0
+
+
 def warm_start(
     model_dir: Path,
     out_dir: Path,
-    prompts: list[Prompt],
-    solution: Callable[[str], str],
+    tasks: list[WarmupTask],
     steps: int,
     batch_size: int = 32,
     lr: float = 3e-3,
     seed: int = 0,
 ) -> Path:
-    """Fine-tune the HF model in `model_dir` on `solution(prompt)` targets; save it to `out_dir`."""
+    """Fine-tune the HF model in `model_dir` on worked solutions of `tasks` (mixed by weight per batch
+    row); save it to `out_dir`."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    key = hashlib.sha256(json.dumps([str(model_dir), len(prompts), steps, batch_size, lr, seed]).encode()).hexdigest()[
-        :16
-    ]
+    inputs: list[object] = [str(model_dir), len(tasks[0].prompts), steps, batch_size, lr, seed]
+    if len(tasks) > 1:
+        inputs.append([(len(t.prompts), t.solution.__name__, t.weight) for t in tasks])
+    key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     marker = out_dir / "warm_start.json"
     if marker.exists() and json.loads(marker.read_text()).get("key") == key:
         return out_dir
@@ -49,17 +60,23 @@ def warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20) * (1 - i / steps))
 
-    def encode(prompt: Prompt) -> tuple[list[int], int]:
+    def encode(task: WarmupTask, prompt: Prompt) -> tuple[list[int], int]:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": prompt.prompt}], tokenize=False, add_generation_prompt=True
         )
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        target_ids = tokenizer(solution(prompt.prompt) + tokenizer.eos_token, add_special_tokens=False)["input_ids"]
-        return prompt_ids + target_ids, len(prompt_ids)
+        target = task.solution(prompt.prompt) + tokenizer.eos_token
+        return prompt_ids + tokenizer(target, add_special_tokens=False)["input_ids"], len(prompt_ids)
+
+    def draw() -> list[tuple[WarmupTask, Prompt]]:
+        if len(tasks) == 1:
+            return [(tasks[0], p) for p in rng.sample(tasks[0].prompts, batch_size)]
+        chosen = rng.choices(tasks, weights=[t.weight for t in tasks], k=batch_size)
+        return [(task, rng.choice(task.prompts)) for task in chosen]
 
     losses = []
     for _ in tqdm(range(steps), desc="warm-up (supervised)", leave=False):
-        batch = [encode(p) for p in rng.sample(prompts, batch_size)]
+        batch = [encode(task, p) for task, p in draw()]
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)

@@ -114,9 +114,7 @@ def normalise_output(text: str) -> list[str]:
 
 
 def code_reward(completion: str, tests: dict[str, Any] | list[dict[str, Any]], cfg: RewardsConfig) -> RewardResult:
-    if isinstance(tests, list):
-        tests = from_case_list(tests)
-    _check_tests(tests)
+    tests = normalise_tests(tests)
     program = extract_program(completion)
     if program is None:
         return RewardResult(cfg.incorrect, False, "no_code")
@@ -153,6 +151,16 @@ def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:
     tests: dict[str, Any] = {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
     if fn_name:
         tests["fn_name"] = fn_name
+    return tests
+
+
+def normalise_tests(tests: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
+    """Any accepted test format as the dict form, checked; ValueError says what is wrong."""
+    if isinstance(tests, list):
+        tests = from_case_list(tests)
+    if not isinstance(tests, dict):
+        raise ValueError(f"code tests must be an object or a list of cases, got {type(tests).__name__}")
+    _check_tests(tests)
     return tests
 
 

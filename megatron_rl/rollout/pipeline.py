@@ -82,6 +82,8 @@ class BatchStats:
     response_tokens: int = 0
     staleness: list[int] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
+    by_task: dict[str, list[float]] = field(default_factory=dict)
+    """Per task: [completions, reward sum, passed]."""
 
     def as_metrics(self) -> dict[str, float]:
         n = max(self.completions, 1)
@@ -99,6 +101,9 @@ class BatchStats:
             "train/staleness_max": float(max(self.staleness, default=0)),
         }
         metrics.update({f"train/failures/{k}": float(v) for k, v in sorted(self.failures.items())})
+        for task, (count, reward, passed) in sorted(self.by_task.items()):
+            metrics[f"train/reward/{task}"] = reward / count
+            metrics[f"train/pass_rate/{task}"] = passed / count
         return metrics
 
 
@@ -228,6 +233,10 @@ class RolloutPipeline:
                 stats.reward_sum += completion.reward
                 stats.response_tokens += len(completion.tokens)
             stats.passed += sum(sampled.passed)
+            task = stats.by_task.setdefault(sampled.group.task, [0.0, 0.0, 0.0])
+            task[0] += len(sampled.group.completions)
+            task[1] += sum(c.reward for c in sampled.group.completions)
+            task[2] += sum(sampled.passed)
             for failure in sampled.failures:
                 stats.failures[failure] = stats.failures.get(failure, 0) + 1
             if sampled.kept:

@@ -53,6 +53,34 @@ def test_code_rows_accept_deepcoder_style_tests(tmp_path):
     assert prompts[0].tests == tests and prompts[0].id == "p1"
 
 
+def test_code_rows_accept_deepcoder_case_lists_and_name_bad_tests(tmp_path):
+    stdio = [{"input": "1\n", "output": "2\n", "testtype": "stdin"}, {"input": "5\n", "output": "6\n"}]
+    functional = [{"input": "[1, 2]", "output": "3", "testtype": "functional", "metadata": {"func_name": "add"}}]
+    rows = [
+        {"problem": "add one", "tests": json.dumps(stdio)},
+        {"problem": "add", "tests": functional},
+        {"problem": "broken", "tests": [{"input": "1"}]},
+        {"problem": "uneven", "tests": {"inputs": ["1"], "outputs": []}},
+    ]
+    path = _write(tmp_path, rows, "deepcoder.jsonl")
+    prompts, stats = load_prompts(DatasetConfig(source=path, task="code"), bad_rows="skip")
+    assert prompts[0].tests == {"inputs": ["1\n", "5\n"], "outputs": ["2\n", "6\n"]}
+    assert prompts[1].tests == {"inputs": ["[1, 2]"], "outputs": ["3"], "fn_name": "add"}
+    assert stats.skipped == 2
+    assert "deepcoder.jsonl: row 2: field 'tests'" in stats.errors[0] and "'input'" in stats.errors[0]
+    assert "row 3: field 'tests': code tests need as many outputs as inputs" in stats.errors[1]
+
+
+def test_parquet_rows_load(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "math.parquet"
+    pq.write_table(pa.table({"problem": ["1+1?", "2+3?"], "answer": ["2", "5"], "id": ["a", "b"]}), path)
+    prompts, _ = load_prompts(DatasetConfig(source=str(path), task="math"))
+    assert [(p.id, p.answer) for p in prompts] == [("a", "2"), ("b", "5")]
+
+
 def test_validation_split_is_deterministic_and_disjoint():
     cfg = DataConfig(datasets=[DatasetConfig(source="synthetic:arithmetic")], val_prompts=50, seed=3)
     a, b = load_splits(cfg), load_splits(cfg)
