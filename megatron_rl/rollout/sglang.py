@@ -543,6 +543,10 @@ class EngineBalancer:
     the least-outstanding rule does not pour requests into a dead engine. `on_failure`, if set, is awaited
     with the failed client before the retry (the orchestrator restarts the engine there, and may change
     `client.url`).
+
+    Utilisation: an engine is busy while at least one request sent through this balancer is outstanding on
+    it (a failed attempt counts until it fails). `metrics()` reports the busy seconds summed over engines
+    and the idle share 1 - busy / (elapsed x engines), both cumulative since creation or `reset_usage()`.
     """
 
     def __init__(
@@ -560,6 +564,33 @@ class EngineBalancer:
         self.on_failure: Callable[[SGLangClient], Awaitable[None]] | None = None
         self._down_until = [0.0] * len(self.clients)
         self._next = 0
+        self._inflight = [0] * len(self.clients)
+        self._busy_since = [0.0] * len(self.clients)
+        self._busy_s = [0.0] * len(self.clients)
+        self._usage_t0 = time.monotonic()
+
+    def reset_usage(self) -> None:
+        """Start a new utilisation window now (busy seconds back to zero; in-flight requests keep counting)."""
+        now = time.monotonic()
+        self._usage_t0 = now
+        self._busy_s = [0.0] * len(self.clients)
+        self._busy_since = [now] * len(self.clients)
+
+    def busy_seconds(self) -> list[float]:
+        """Per engine: seconds with at least one outstanding request since the window started."""
+        now, spans = time.monotonic(), zip(self._busy_s, self._busy_since, self._inflight, strict=True)
+        return [busy + (now - since if inflight else 0.0) for busy, since, inflight in spans]
+
+    async def _send(self, index: int, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
+        if self._inflight[index] == 0:
+            self._busy_since[index] = time.monotonic()
+        self._inflight[index] += 1
+        try:
+            return await self.clients[index].generate(input_ids, max_new_tokens, stop_ids, self.sampling)
+        finally:
+            self._inflight[index] -= 1
+            if self._inflight[index] == 0:
+                self._busy_s[index] += time.monotonic() - self._busy_since[index]
 
     def _pick(self, exclude: set[int]) -> int:
         n, now = len(self.clients), time.monotonic()
@@ -578,7 +609,7 @@ class EngineBalancer:
             index = self._pick(failed)
             client = self.clients[index]
             try:
-                segment = await client.generate(input_ids, max_new_tokens, stop_token_ids, self.sampling)
+                segment = await self._send(index, input_ids, max_new_tokens, stop_token_ids)
             except EngineError as exc:
                 self.failures += 1
                 self.failures_by_engine[index] += 1
@@ -598,8 +629,12 @@ class EngineBalancer:
             return segment
 
     def metrics(self) -> dict[str, float]:
+        busy = sum(self.busy_seconds())
+        capacity = (time.monotonic() - self._usage_t0) * len(self.clients)
         return {
             "rollout/engine_requests": float(self.requests),
             "rollout/engine_retries": float(self.retries),
             "rollout/engine_failures": float(self.failures),
+            "rollout/generator_busy_s": busy,
+            "rollout/generator_idle_share": 1.0 - busy / capacity if capacity > 0 else 0.0,
         }
