@@ -409,12 +409,23 @@ class DatasetConfig:
     weight: float = 1.0
     """Mixing weight among the datasets of a multi-task run."""
     split: str = "train"
+    subset: str | None = None
+    """The `datasets` configuration name (e.g. DeepCoder's 'lcbv5'); hub sources only."""
     limit: int | None = None
     """Use only the first N rows (ours; for smoke runs)."""
+    val_prompts: int | None = None
+    """Held-out prompts of this dataset; null: `data.val_prompts`."""
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
             _fail("weight", f"must be > 0, got {self.weight}")
+        if self.val_prompts is not None and self.val_prompts < 0:
+            _fail("val_prompts", f"must be >= 0, got {self.val_prompts}")
+
+    @property
+    def key(self) -> str:
+        """How the run names this source (sampler weights, metrics, split seeds): `source[:subset]`."""
+        return self.source if self.subset is None else f"{self.source}:{self.subset}"
 
 
 @dataclass

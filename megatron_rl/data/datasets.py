@@ -95,7 +95,7 @@ def parse_row(row: Any, task: str, source: str, index: int) -> Prompt:
     return Prompt(id=prompt_id, task=task, **values)
 
 
-def _read_rows(source: str, split: str) -> list[Any]:
+def _read_rows(source: str, split: str, subset: str | None = None) -> list[Any]:
     if source.startswith("synthetic:"):
         name = source.removeprefix("synthetic:")
         if name not in SYNTHETIC_TASKS:
@@ -123,7 +123,7 @@ def _read_rows(source: str, split: str) -> list[Any]:
     import datasets
 
     try:
-        return list(datasets.load_dataset(source, split=split))
+        return list(datasets.load_dataset(source, subset, split=split))
     except Exception as exc:  # the hub client raises many types; name the source and keep the cause
         raise DatasetError(f"{source}: could not load as a `datasets` hub name ({type(exc).__name__}: {exc})") from exc
 
@@ -132,14 +132,14 @@ def load_prompts(cfg: DatasetConfig, bad_rows: str = "error") -> tuple[list[Prom
     """All valid prompts of one dataset config, and how many rows were skipped."""
     stats = LoadStats()
     prompts: list[Prompt] = []
-    for index, row in enumerate(_read_rows(cfg.source, cfg.split)):
+    for index, row in enumerate(_read_rows(cfg.source, cfg.split, cfg.subset)):
         if cfg.limit is not None and len(prompts) >= cfg.limit:
             break
         stats.rows += 1
         try:
             if isinstance(row, DatasetError):
                 raise row
-            prompts.append(parse_row(row, cfg.task, cfg.source, index))
+            prompts.append(parse_row(row, cfg.task, cfg.key, index))
         except DatasetError as exc:
             if bad_rows == "error":
                 raise
@@ -147,29 +147,31 @@ def load_prompts(cfg: DatasetConfig, bad_rows: str = "error") -> tuple[list[Prom
             if len(stats.errors) < 5:
                 stats.errors.append(str(exc))
     if not prompts:
-        raise DatasetError(f"{cfg.source}: no valid rows ({stats.skipped} skipped)")
+        raise DatasetError(f"{cfg.key}: no valid rows ({stats.skipped} skipped)")
     return prompts, stats
 
 
 @dataclass
 class Splits:
     train: dict[str, list[Prompt]]
-    """Per dataset source: its training prompts."""
+    """Per dataset (`DatasetConfig.key`): its training prompts."""
     val: dict[str, list[Prompt]]
     """Per task: the held-out validation prompts."""
     stats: dict[str, LoadStats]
 
 
 def load_splits(cfg: DataConfig) -> Splits:
-    """Load every dataset and hold out `val_prompts` of each, chosen by `cfg.seed`."""
+    """Load every dataset and hold out `val_prompts` of each (at most half), chosen by `cfg.seed`."""
     train: dict[str, list[Prompt]] = {}
     val: dict[str, list[Prompt]] = {}
     stats: dict[str, LoadStats] = {}
     for dataset in cfg.datasets:
-        prompts, stats[dataset.source] = load_prompts(dataset, cfg.bad_rows)
+        if dataset.key in train:
+            raise DatasetError(f"data.datasets: {dataset.key} is listed twice")
+        prompts, stats[dataset.key] = load_prompts(dataset, cfg.bad_rows)
         order = list(range(len(prompts)))
-        random.Random(f"{cfg.seed}:{dataset.source}").shuffle(order)
-        n_val = min(cfg.val_prompts, len(prompts) // 2)
+        random.Random(f"{cfg.seed}:{dataset.key}").shuffle(order)
+        n_val = min(cfg.val_prompts if dataset.val_prompts is None else dataset.val_prompts, len(prompts) // 2)
         val.setdefault(dataset.task, []).extend(prompts[i] for i in order[:n_val])
-        train[dataset.source] = [prompts[i] for i in order[n_val:]]
+        train[dataset.key] = [prompts[i] for i in order[n_val:]]
     return Splits(train, val, stats)

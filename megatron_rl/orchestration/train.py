@@ -52,7 +52,7 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
                 f"trainer.warm_start_steps: the warm-up needs synthetic tasks with worked solutions "
                 f"({sorted(SOLUTIONS)}); data.datasets[{i}].source is {dataset.source!r}"
             )
-        tasks.append(WarmupTask(splits.train[dataset.source], SOLUTIONS[name], dataset.weight))
+        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight))
     names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
     out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
     return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed)
@@ -119,7 +119,7 @@ async def _train(run: RunConfig) -> Path:
 
     sampler = CurriculumSampler(
         splits.train,
-        {d.source: d.weight for d in run.data.datasets},
+        {d.key: d.weight for d in run.data.datasets},
         run.seed,
         NoPositiveResampling(run.algo.no_positive_resampling),
     )

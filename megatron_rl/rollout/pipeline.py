@@ -19,6 +19,7 @@ filtered or not, updates the no-positive-resampling history.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.rewards.workers import RewardWorkers
 from megatron_rl.rollout.interruption import GenerateFn, InterruptionTokens, generate_completion
 from megatron_rl.rollout.types import Completion, Group
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,6 +85,8 @@ class BatchStats:
     response_tokens: int = 0
     staleness: list[int] = field(default_factory=list)
     failures: dict[str, int] = field(default_factory=dict)
+    long_prompts_skipped: int = 0
+    """Cumulative: prompts over `max_prompt_tokens`, skipped."""
     by_task: dict[str, list[float]] = field(default_factory=dict)
     """Per task: [completions, reward sum, passed]."""
 
@@ -99,6 +104,7 @@ class BatchStats:
             "train/stale_dropped": float(self.stale_dropped),
             "train/staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
             "train/staleness_max": float(max(self.staleness, default=0)),
+            "train/long_prompts_skipped": float(self.long_prompts_skipped),
         }
         metrics.update({f"train/failures/{k}": float(v) for k, v in sorted(self.failures.items())})
         for task, (count, reward, passed) in sorted(self.by_task.items()):
@@ -135,6 +141,8 @@ class RolloutPipeline:
         self.tasks: set[asyncio.Task] = set()
         self.producer: asyncio.Task | None = None
         self.errors: list[BaseException] = []
+        self.long_prompts = 0
+        """Prompts skipped for being longer than `max_prompt_tokens` (cumulative)."""
 
     # ---------------------------------------------------------------------------------------------
     # Producer
@@ -168,10 +176,8 @@ class RolloutPipeline:
     async def _group(self, prompt: Prompt) -> None:
         prompt_ids = self.encoder.encode(prompt)
         if len(prompt_ids) > self.cfg.max_prompt_tokens:
-            raise ValueError(
-                f"prompt {prompt.id} has {len(prompt_ids)} tokens, over rollout.max_prompt_tokens="
-                f"{self.cfg.max_prompt_tokens}"
-            )
+            self._skip_long(prompt, len(prompt_ids))
+            return
         seeds = [self.rng.random() for _ in range(self.cfg.generations_per_prompt)]
         completions = await asyncio.gather(*(self._completion(prompt, prompt_ids, s) for s in seeds))
         group = Group(prompt.id, prompt.task, [c for c, _, _ in completions])
@@ -181,6 +187,22 @@ class RolloutPipeline:
         rewards = torch.tensor([group.rewards])
         kept = bool(zero_variance_keep(rewards)[0]) if self.algo.zero_variance_filter else True
         await self.buffer.put(SampledGroup(group, kept, passed, failures))
+
+    def _skip_long(self, prompt: Prompt, length: int) -> None:
+        """A prompt over `max_prompt_tokens` is skipped and counted; the producer draws another in its place."""
+        if not self.long_prompts:
+            log.warning(
+                "prompt %s has %d tokens, over rollout.max_prompt_tokens=%d: skipped (counted in "
+                "train/long_prompts_skipped; later ones are not logged)",
+                prompt.id,
+                length,
+                self.cfg.max_prompt_tokens,
+            )
+        self.long_prompts += 1
+        if self.cfg.mode == "ppo_off_policy":  # the round still needs k x prompts_per_step groups
+            self.round_started -= 1
+            self.round_open.set()
+        self.slots.release()
 
     async def _completion(self, prompt: Prompt, prompt_ids: list[int], seed: float) -> tuple[Completion, bool, str]:
         out = await generate_completion(
@@ -242,6 +264,7 @@ class RolloutPipeline:
             if sampled.kept:
                 groups.append(sampled.group)
         stats.effective_groups = len(groups)
+        stats.long_prompts_skipped = self.long_prompts
         return groups, stats
 
     def _raise_producer_errors(self) -> None:
@@ -276,13 +299,19 @@ async def validate(
 
     rng = random.Random(seed)
     results: dict[str, list[bool]] = {}
+    skipped = 0
     for task, task_prompts in prompts.items():
         jobs = []
         for prompt in task_prompts:
             ids = encoder.encode(prompt)
-            jobs += [one(prompt, ids, random.Random(rng.random())) for _ in range(samples)]
+            seeds = [rng.random() for _ in range(samples)]  # drawn for every prompt: the same draws per prompt
+            if len(ids) > cfg.max_prompt_tokens:
+                skipped += 1
+                continue
+            jobs += [one(prompt, ids, random.Random(s)) for s in seeds]
         results[task] = list(await asyncio.gather(*jobs))
     metrics = {f"val/pass_rate/{task}": sum(r) / max(len(r), 1) for task, r in results.items()}
     every = [p for r in results.values() for p in r]
     metrics["val/pass_rate"] = sum(every) / max(len(every), 1)
+    metrics["val/long_prompts_skipped"] = float(skipped)
     return metrics

@@ -18,6 +18,8 @@ EXPECTED = {
     "magistral",
     "minimax",
     "scalerl-cpu",
+    "multitask",
+    "multitask-cpu",
 }
 
 
@@ -98,5 +100,5 @@ def test_recipe_files_state_only_differences(recipe):
     from megatron_rl.config import RECIPES_DIR
 
     raw = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
-    assert raw.get("base") == "scalerl"
+    assert raw.get("base") == ("scalerl-cpu" if recipe == "multitask-cpu" else "scalerl")
     assert "description" in raw
