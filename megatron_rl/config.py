@@ -492,7 +492,10 @@ class LoggingConfig:
     project: str = "megatron_rl"
     console_every_steps: int = 1
     live_scaling_fit: bool = True
-    """Fit the scaling curve at each validation and log the predicted asymptote."""
+    """Fit the scaling curve at each validation and log the predicted asymptote (per task too)."""
+    scaling_fit_start: float = 0.0
+    """Warm-up cut for the live and final fits, in device-hours: earlier points are not fitted (paper: 1,500
+    GPU-hours)."""
 
 
 @dataclass

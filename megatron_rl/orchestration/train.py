@@ -99,6 +99,10 @@ async def _train(run: RunConfig) -> Path:
     stop = StopFlag(run.checkpoint.save_on_signal)
 
     splits = load_splits(run.data)
+    if "code" in splits.val or any(d.task == "code" for d in run.data.datasets):
+        from megatron_rl.rewards.sandbox import get_sandbox
+
+        get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
     policy = prepare_policy(run, splits)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
@@ -161,7 +165,14 @@ async def _train(run: RunConfig) -> Path:
             seed=run.seed,
         )
         if run.logging.live_scaling_fit:
-            result.update(_live_fit(read_metrics(logger.path), result, clock.device_hours))
+            rows = read_metrics(logger.path)
+            fit_start = run.logging.scaling_fit_start
+            result.update(_live_fit(rows, result, clock.device_hours, fit_start))
+            if len(splits.val) > 1:
+                for task in splits.val:
+                    metric = f"val/pass_rate/{task}"
+                    prediction = _live_fit(rows, result, clock.device_hours, fit_start, metric)
+                    result.update({k.replace("scaling/", f"scaling/{task}/"): v for k, v in prediction.items()})
         return result
 
     pipeline.start()
@@ -204,7 +215,7 @@ async def _train(run: RunConfig) -> Path:
     if stop:
         print(f"stopped by {stop.signal} at step {step}; checkpoint saved, resume with the same command", flush=True)
     else:
-        _final_fit(logger.path, run_dir, set(splits.val))
+        _final_fit(logger.path, run_dir, set(splits.val), run.logging.scaling_fit_start)
     return run_dir
 
 
@@ -226,23 +237,26 @@ def _ray_cluster() -> bool:
     return bool(os.environ.get("RAY_ADDRESS"))
 
 
-def _live_fit(rows: list[dict[str, Any]], latest: dict[str, float], device_hours: float) -> dict[str, float]:
+def _live_fit(
+    rows: list[dict[str, Any]],
+    latest: dict[str, float],
+    device_hours: float,
+    fit_start: float,
+    metric: str = "val/pass_rate",
+) -> dict[str, float]:
     """Predicted asymptote A (with its interval) from the validation points so far (scaling toolkit)."""
-    try:
-        from megatron_rl.scaling import live_prediction
-    except ImportError:
-        return {}
-    points = [r for r in rows if r.get("val/pass_rate") is not None]
+    from megatron_rl.scaling import live_prediction
+
+    points = [r for r in rows if r.get(metric) is not None]
     points.append({"step": -1, "device_hours": device_hours, **latest})
-    return live_prediction(points)
+    return live_prediction(points, fit_start=fit_start, metric=metric)
 
 
-def _final_fit(metrics_path: Path, run_dir: Path, tasks: set[str]) -> None:
+def _final_fit(metrics_path: Path, run_dir: Path, tasks: set[str], fit_start: float) -> None:
     """Print the fitted compute-performance curve of this run and write its plot."""
-    try:
-        from megatron_rl.scaling.cli import main as fit_main
-    except ImportError:
-        return
-    fit_main([str(metrics_path), "--plot", str(run_dir / "scaling_curve.png")])
+    from megatron_rl.scaling.cli import main as fit_main
+
+    common = [str(metrics_path), "--fit-start", str(fit_start)]
+    fit_main([*common, "--plot", str(run_dir / "scaling_curve.png")])
     if len(tasks) > 1:  # multi-task: one curve per task as well (SCALERL.md: math and code fitted separately)
-        fit_main([str(metrics_path), "--metric", "val/pass_rate/*", "--plot", str(run_dir / "scaling_curve_tasks.png")])
+        fit_main([*common, "--metric", "val/pass_rate/*", "--plot", str(run_dir / "scaling_curve_tasks.png")])
