@@ -58,6 +58,16 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed)
 
 
+def _report_data(splits: Splits) -> None:
+    """One line per dataset (training prompts, malformed rows skipped) and the validation prompts per task."""
+    for key, stats in splits.stats.items():
+        line = f"data: {key}: {len(splits.train[key])} training prompts"
+        if stats.skipped:
+            line += f", {stats.skipped} of {stats.rows} rows skipped (data.bad_rows=skip); first: {stats.errors[0]}"
+        print(line, flush=True)
+    print("data: validation " + ", ".join(f"{task} {len(p)}" for task, p in splits.val.items()), flush=True)
+
+
 class StopFlag:
     """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit."""
 
@@ -99,6 +109,7 @@ async def _train(run: RunConfig) -> Path:
     stop = StopFlag(run.checkpoint.save_on_signal)
 
     splits = load_splits(run.data)
+    _report_data(splits)
     if "code" in splits.val or any(d.task == "code" for d in run.data.datasets):
         from megatron_rl.rewards.sandbox import get_sandbox
 
@@ -150,6 +161,7 @@ async def _train(run: RunConfig) -> Path:
     clock = ComputeClock(devices, start_hours)
     header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
     header.update(device_kind=run.compute.device_kind, devices=devices)
+    header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
     logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run))
 
     async def validation() -> dict[str, float]:
