@@ -43,10 +43,12 @@ def test_math_and_code_run_logs_per_task_curves_and_fits_each(tmp_path: Path) ->
 
     steps = [r for r in rows if "train/loss" in r]
     assert len(steps) == 5
+    for task in ("math", "code"):  # both datasets feed the run (weights 1:1; a batch may hold one task only)
+        seen = [r for r in steps if f"train/reward/{task}" in r]
+        assert seen
+        for r in seen:
+            assert -1.0 <= r[f"train/reward/{task}"] <= 1.0 and 0.0 <= r[f"train/pass_rate/{task}"] <= 1.0
     for row in steps:
-        for task in ("math", "code"):  # both datasets feed every step (weights 1:1, 8 prompts)
-            assert -1.0 <= row[f"train/reward/{task}"] <= 1.0
-            assert 0.0 <= row[f"train/pass_rate/{task}"] <= 1.0
         # overall reward is the completions' mean over both tasks
         assert -1.0 <= row["train/reward"] <= 1.0
         failures = {k.removeprefix("train/failures/") for k in row if k.startswith("train/failures/")}
@@ -54,7 +56,7 @@ def test_math_and_code_run_logs_per_task_curves_and_fits_each(tmp_path: Path) ->
         assert "reward_error" not in failures  # no reward function raised
 
     # The warmed-up policy writes programs the sandbox runs and the tests accept.
-    assert max(r["train/pass_rate/code"] for r in steps) > 0
+    assert max(r.get("train/pass_rate/code", 0.0) for r in steps) > 0
 
     val = [r for r in rows if "val/pass_rate" in r]
     assert len(val) >= 6  # steps 0..4 and the final validation
