@@ -23,7 +23,12 @@ One update, for both transports:
 
 A failure while weights are being sent raises SyncError and leaves the engines paused with partly
 updated weights (resuming would generate from a mix of two policies); the caller restarts them or sends
-again.
+again (the engines that are still up have their update session closed, so a new `begin_weight_update`
+is accepted). Nothing waits forever on a dead or hung engine: a dead one fails the update within seconds
+(refused HTTP calls; gloo's "connection closed by peer" in the broadcast), a hung one after `timeout_s`
+(every HTTP wait, the rendezvous and the group's collectives). The engines' side of the group uses
+torch's default timeout (30 min), which SGLang's HTTP API does not expose; it only matters when the
+trainer dies mid-update, and then the engines are stopped with the run.
 
 The process group outside torch's default group uses the same construction as SGLang's engine side
 (`sglang.srt.utils.common.init_custom_process_group`) and slime's trainer side
@@ -242,16 +247,31 @@ class WeightSender:
     def _send_distributed(
         self, first: list[tuple[str, torch.Tensor]], rest: Iterator[list[tuple[str, torch.Tensor]]], version: int
     ) -> tuple[int, int]:
-        self._all("begin_weight_update")
-        total, count = 0, 0
-        pending = first
-        for bucket in rest:  # one bucket of lookahead: the last one carries the new version
-            total += self._broadcast(pending, version=None)
-            count += 1
-            pending = bucket
-        total += self._broadcast(pending, version=version)
-        self._all("end_weight_update")
+        try:
+            self._all("begin_weight_update")
+            total, count = 0, 0
+            pending = first
+            for bucket in rest:  # one bucket of lookahead: the last one carries the new version
+                total += self._broadcast(pending, version=None)
+                count += 1
+                pending = bucket
+            total += self._broadcast(pending, version=version)
+            self._all("end_weight_update")
+        except Exception:
+            # SGLang refuses begin_weight_update while a session is open: close it on the engines that
+            # are still up, so that a retry (after a dead engine was restarted) can open a new one.
+            self._try_all("end_weight_update")
+            raise
         return total, count + 1
+
+    def _try_all(self, call: str) -> None:
+        """`call` on every engine, best effort: errors (dead engine, no session open) are ignored."""
+
+        async def everyone() -> None:
+            await asyncio.gather(*(getattr(c, call)() for c in self.clients), return_exceptions=True)
+
+        with contextlib.suppress(TimeoutError):
+            self._submit(everyone()).result(timeout=min(self.timeout_s, 60.0))
 
     def _broadcast(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> int:
         ordered, flat = flatten_bucket(bucket)

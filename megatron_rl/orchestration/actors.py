@@ -91,7 +91,14 @@ class TrainerWorker:
             for _ in buckets:  # take part in the gathers
                 pass
             return {}
-        return self.sender.send(buckets, version=self.trainer.version)
+        try:
+            return self.sender.send(buckets, version=self.trainer.version)
+        except Exception:
+            # The other ranks are still in the gathers of the remaining buckets: finish them, or a failed
+            # push (a dead engine) would leave them blocked in a collective the driver's retry then waits on.
+            for _ in buckets:
+                pass
+            raise
 
     def close(self) -> None:
         if self.sender is not None:

@@ -2,8 +2,25 @@
 
 Each engine is an `EngineHost` Ray actor that owns one SGLang server process (holding `engine.tp` GPUs
 on a cluster, one core on CPU) and reports its URL; the driver talks to all of them over HTTP through an
-`EngineBalancer`. A request whose engine died is retried on another engine; a dead engine is restarted,
-and the next weight push re-forms the sync group so it catches up (counted in `rollout/engine_restarts`).
+`EngineBalancer`.
+
+A killed engine costs time, not the run:
+- A request whose engine failed waits while the balancer's callback restarts that engine if its process
+  is gone, re-forms the weight-sync group with it and pushes the trainer's current weights to it
+  (`rollout/engine_restarts`); then the request is retried, on another engine when there is one
+  (`rollout/engine_failures`, `rollout/engine_retries`).
+- A weight push that fails (a dead peer fails it within seconds: refused HTTP calls, gloo's "connection
+  closed by peer"; a hung one after the sender's timeout) restarts the dead engines, re-forms the group
+  and pushes once more (`rollout/sync_failures`); a second failure ends the run with a SyncError.
+
+Restarts and pushes take one lock, so an engine is restarted once however many requests saw it die, and
+no push runs on a group that a restart is replacing. A restarted engine loads the run's initial policy
+and reports weight version 0 until the push that follows the restart, so tokens it generates in between
+(only requests that reach it in the seconds between its restart and that push) carry version 0: they
+are labeled with the policy that really produced them and the staleness gate (rollout/pipeline.py)
+drops them once more than k versions old. The catch-up push sends the trainer's current weights to
+every engine, so in PPO-off-policy mode a restart mid-round moves the round to the newer policy (the
+tokens say so).
 """
 
 from __future__ import annotations
@@ -14,6 +31,7 @@ from typing import Any
 
 from megatron_rl.config import RunConfig
 from megatron_rl.rollout.sglang import EngineBalancer, SGLangClient, SGLangServer
+from megatron_rl.sync import SyncError
 
 
 class EngineHost:
@@ -49,6 +67,8 @@ class EngineHost:
 
 
 class EngineGroup:
+    """The run's engines: start, generate (balanced, with retries), weight sync, restarts, metrics."""
+
     def __init__(self, run: RunConfig, policy: Path, run_dir: Path) -> None:
         import dataclasses
 
@@ -67,8 +87,12 @@ class EngineGroup:
         self.clients: list[SGLangClient] = []
         self.balancer: EngineBalancer | None = None
         self.restarts = 0
+        self.sync_failures = 0
         self.resync = False
-        self._restart_lock = asyncio.Lock()
+        """True when the trainer's sync group lacks a (restarted) engine: re-form it before the next push."""
+        self.trainers: Any = None
+        """The TrainerGroup that pushes weights (set by connect_weight_sync); restarts catch up from it."""
+        self._lock = asyncio.Lock()  # held by a restart (with its catch-up push) and by a push
 
     async def start(self) -> None:
         urls = await asyncio.gather(*(host.start.remote() for host in self.hosts))
@@ -81,38 +105,77 @@ class EngineGroup:
         return await self.balancer(input_ids, max_new_tokens, stop_ids)
 
     async def _on_failure(self, client: SGLangClient) -> None:
-        index = self.clients.index(client)
-        async with self._restart_lock:
-            if await client.health():
-                return  # a transient error, or another request already restarted it
-            if await self.hosts[index].alive.remote():
-                return
-            print(f"engine {index} died; restarting it", flush=True)
-            client.url = await self.hosts[index].restart.remote()
-            self.restarts += 1
-            self.resync = True
+        """A request failed on `client`: restart its engine if it died and give it the current weights
+        before the request is retried (requests that saw the same death wait here, then find it running)."""
+        async with self._lock:
+            if await self._restart_if_dead(self.clients.index(client)) and self.trainers is not None:
+                await self._push(self.trainers, "catch-up after a restart")
+
+    async def _restart_if_dead(self, index: int) -> bool:
+        """Restart engine `index` if its server process is gone (lock held); True if it was restarted.
+
+        The process, not `/health`, decides: SGLang answers `/health` with a one-token generation, which a
+        busy or paused (mid-push) engine may not finish within the probe's timeout."""
+        if await self.hosts[index].alive.remote():
+            return False  # a transient error, a hung engine, or another caller already restarted it
+        print(f"engine {index} died; restarting it", flush=True)
+        self.clients[index].url = await self.hosts[index].restart.remote()
+        self.restarts += 1
+        self.resync = True
+        return True
 
     async def connect_weight_sync(self, trainers: Any) -> None:
+        """Trainer rank 0 forms a weight-sync process group with every engine."""
         import ray
 
         from megatron_rl.trainer.distributed import free_port
 
+        self.trainers = trainers
         urls = [c.url for c in self.clients]
         await trainers.call("init_weight_sync", urls, ray.util.get_node_ip_address(), free_port())
 
     async def push_weights(self, trainers: Any, version: int) -> dict[str, float]:
-        if self.resync:  # a restarted engine is not in the old group: form a new one
-            await trainers.call("close")
-            await self.connect_weight_sync(trainers)
-            self.resync = False
-        return await trainers.call("push_weights")
+        """Send the trainer's weights (version `version`) to every engine; returns sync/* metrics."""
+        async with self._lock:
+            return await self._push(trainers, f"version {version}")
+
+    async def _push(self, trainers: Any, what: str) -> dict[str, float]:
+        """One push (lock held); after a failure restart the dead engines, re-form the group, push once more."""
+        try:
+            if self.resync:
+                await self._reconnect(trainers)
+            return await trainers.call("push_weights")
+        except SyncError as exc:
+            self.sync_failures += 1
+            self.resync = True  # the group saw a failure: rebuild it whatever the cause
+            print(f"weight push ({what}) failed: {_cause(exc)}; restarting dead engines and pushing again", flush=True)
+        restarted = [i for i in range(len(self.hosts)) if await self._restart_if_dead(i)]
+        try:
+            await self._reconnect(trainers)
+            return await trainers.call("push_weights")
+        except SyncError as exc:
+            raise SyncError(
+                f"weight push ({what}) failed twice: a retry after restarting engines {restarted} and re-forming "
+                f"the sync group failed too: {_cause(exc)}"
+            ) from exc
+
+    async def _reconnect(self, trainers: Any) -> None:
+        await trainers.call("close")
+        await self.connect_weight_sync(trainers)
+        self.resync = False
 
     def metrics(self) -> dict[str, float]:
         metrics = self.balancer.metrics() if self.balancer else {}
         metrics["rollout/engine_restarts"] = float(self.restarts)
+        metrics["rollout/sync_failures"] = float(self.sync_failures)
         return metrics
 
     async def stop(self) -> None:
         for client in self.clients:
             await client.close()
         await asyncio.gather(*(host.stop.remote() for host in self.hosts), return_exceptions=True)
+
+
+def _cause(exc: BaseException) -> str:
+    """The message of the error raised inside a Ray actor (a RayTaskError carries it as `cause`)."""
+    return str(getattr(exc, "cause", None) or exc)
