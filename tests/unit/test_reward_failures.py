@@ -48,3 +48,30 @@ def test_a_missing_sandbox_or_an_unknown_task_is_not_swallowed(monkeypatch):
         score("print(1)", Prompt("c", "code", "print 1", tests={"inputs": [""], "outputs": ["1"]}), CFG)
     with pytest.raises(ValueError, match="no reward function"):
         score("x", Prompt("t", "poetry", "a poem"), CFG)
+
+
+def _die_on_crash_prompt(completion, prompt, cfg):
+    """Runs in the worker process: the 'crash' prompt kills it, as a segfault or the OOM killer would."""
+    import os
+
+    if prompt.id == "crash":
+        os._exit(1)
+    return score(completion, prompt, cfg)
+
+
+def test_a_dying_reward_worker_costs_its_samples_and_the_pool_is_replaced():
+    workers = RewardWorkers(CFG, processes=1, fn=_die_on_crash_prompt)
+    good = Prompt("good", "math", "1+1?", "2")
+
+    async def run():
+        crashed = await workers.score("\\boxed{2}", Prompt("crash", "math", "1+1?", "2"))
+        after = await asyncio.gather(*(workers.score("\\boxed{2}", good) for _ in range(3)))
+        return crashed, after
+
+    try:
+        crashed, after = asyncio.run(run())
+    finally:
+        workers.close()
+    assert (crashed.reward, crashed.passed, crashed.failure) == (-1.0, False, "reward_crash")
+    assert all(r.passed and r.reward == 1.0 for r in after)  # the replacement pool scores the rest
+    assert workers.pool_restarts == 1
