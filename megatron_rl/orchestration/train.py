@@ -127,7 +127,10 @@ async def _train(run: RunConfig) -> Path:
     )
 
     if not ray.is_initialized():
-        ray.init(address="auto" if _ray_cluster() else None, include_dashboard=False, log_to_driver=True)
+        # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
+        # running on this machine (another run's, another user's) and fail on its auth token.
+        address = "auto" if _ray_cluster() else "local"
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
     trainers = TrainerGroup(run, dataclasses.asdict(run))
     engines = EngineGroup(run, policy, run_dir)
     await engines.start()
@@ -187,6 +190,8 @@ async def _train(run: RunConfig) -> Path:
                     result.update({k.replace("scaling/", f"scaling/{task}/"): v for k, v in prediction.items()})
         return result
 
+    if engines.balancer is not None:
+        engines.balancer.reset_usage()  # generator idle share over the loop, not the start-up
     pipeline.start()
     validated, empty_batches = -1, 0
     try:
