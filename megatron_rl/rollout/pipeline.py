@@ -199,10 +199,15 @@ class RolloutPipeline:
                 self.cfg.max_prompt_tokens,
             )
         self.long_prompts += 1
-        if self.cfg.mode == "ppo_off_policy":  # the round still needs k x prompts_per_step groups
+        self._refill_round()
+        self.slots.release()
+
+    def _refill_round(self) -> None:
+        """PPO-off-policy: a group that will not be trained on (too long, too stale) is replaced within its
+        round, which still needs k x prompts_per_step groups; without this the last batch would never fill."""
+        if self.cfg.mode == "ppo_off_policy":
             self.round_started -= 1
             self.round_open.set()
-        self.slots.release()
 
     async def _completion(self, prompt: Prompt, prompt_ids: list[int], seed: float) -> tuple[Completion, bool, str]:
         out = await generate_completion(
@@ -244,6 +249,7 @@ class RolloutPipeline:
             staleness = trainer_version - sampled.group.oldest_version
             if staleness > self.cfg.k:
                 stats.stale_dropped += 1
+                self._refill_round()
                 continue
             stats.sampled_groups += 1
             stats.staleness.append(staleness)

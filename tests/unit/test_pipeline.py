@@ -97,3 +97,26 @@ def test_prompts_over_the_length_limit_are_skipped_counted_and_replaced(encoder,
     assert stats.sampled_groups == 4 and stats.long_prompts_skipped >= 1
     assert stats.as_metrics()["train/long_prompts_skipped"] == stats.long_prompts_skipped
     assert all(g.prompt_id != "long" for g in groups)
+
+
+def test_ppo_off_policy_replaces_stale_groups_within_the_round(encoder, rewards):
+    train = {"math": [Prompt(f"s{i}", "math", f"What is {i} + 1?", answer=str(i + 1)) for i in range(8)]}
+    cfg = _rollout(mode="ppo_off_policy", k=1)  # a round is exactly one batch of 4 groups
+    pipeline = _pipeline(encoder, rewards, train, cfg, answer="\\boxed{2}")
+    pipeline.version = 3
+    calls = 0
+    scripted = pipeline.generate
+
+    async def old_then_current(input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
+        nonlocal calls
+        calls += 1
+        stale = calls <= 4  # the first four completions come from policy version 0: too stale for k=1
+        segment = await scripted(input_ids, max_new_tokens, stop_ids)
+        if stale:
+            segment.versions = [0] * len(segment.versions)
+        return segment
+
+    pipeline.generate = old_then_current
+    groups, stats = asyncio.run(_batch(pipeline, version=3))
+    assert stats.stale_dropped >= 2 and stats.sampled_groups == 4  # refilled, not waiting forever
+    assert stats.staleness == [0, 0, 0, 0]
