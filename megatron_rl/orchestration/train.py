@@ -110,7 +110,7 @@ async def _train(run: RunConfig) -> Path:
 
     splits = load_splits(run.data)
     _report_data(splits)
-    if "code" in splits.val or any(d.task == "code" for d in run.data.datasets):
+    if any(d.task == "code" for d in run.data.datasets):
         from megatron_rl.rewards.sandbox import get_sandbox
 
         get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
