@@ -85,6 +85,7 @@ class ParallelLayout:
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
     sequence_parallel: bool = False
     trainer_gpus: int = 1
     generator_gpus: int = 0
@@ -123,6 +124,16 @@ class ModelConfig:
     """Weightless L2 norm on q/k of RoPE layers (Llama-4)."""
     no_rope_freq: int | None = None
     """Every Nth layer uses no RoPE (Llama-4: 4); null = RoPE everywhere."""
+    attention_chunk_size: int | None = None
+    """Llama-4 chunked local attention on the RoPE layers: a token attends only to earlier tokens of its own
+    `attention_chunk_size`-token chunk (Scout: 8192); null = full causal attention on every layer."""
+    attn_temperature_tuning: bool = False
+    """Llama-4 attention-temperature tuning on the NoPE layers: queries at position p are scaled by
+    1 + attn_scale * log(floor((p + 1) / floor_scale) + 1) (HF `Llama4TextAttention`)."""
+    floor_scale: int = 8192
+    """Llama-4 temperature tuning: positions per temperature step (Scout: 8192)."""
+    attn_scale: float = 0.1
+    """Llama-4 temperature tuning: scale of the log term (Scout: 0.1)."""
     moe: MoEConfig = field(default_factory=MoEConfig)
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     """The layout this config was sized for (see model_configs/*.yaml)."""
@@ -140,6 +151,17 @@ class ModelConfig:
             )
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             _fail("kv_channels", "must be set when hidden_size is not a multiple of num_attention_heads")
+        if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
+            _fail("attention_chunk_size", f"must be a positive number of tokens or null, got {self.attention_chunk_size}")
+        if self.floor_scale < 1:
+            _fail("floor_scale", f"must be >= 1, got {self.floor_scale}")
+        if (self.attention_chunk_size is not None or self.attn_temperature_tuning) and not self.no_rope_freq:
+            field_name = "attention_chunk_size" if self.attention_chunk_size is not None else "attn_temperature_tuning"
+            _fail(
+                field_name,
+                "chunked attention applies to RoPE layers and temperature tuning to NoPE layers: "
+                "it needs no_rope_freq (Llama-4 interleaves NoPE layers every 4th layer)",
+            )
 
     @property
     def is_moe(self) -> bool:
@@ -156,15 +178,23 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """How trainer ranks split the model: tensor, pipeline, expert parallel; data parallel is the rest."""
+    """How trainer ranks split the model, by megatron-core's rules (`parallel_state.initialize_model_parallel`).
+
+    Dense layers: world = tp x pp x dp. Expert layers: world = etp x ep x pp x edp (expert data parallel).
+    """
 
     tp: int = 1
     pp: int = 1
     ep: int = 1
+    etp: int | None = None
+    """Expert tensor parallel: how many ranks split one expert's MLP. null = 1 for MoE models (each expert
+    whole on its rank: no TP all-reduces inside the experts), tp for dense ones (unused there)."""
     trainer_devices: int = 1
     """Trainer ranks in total (GPUs, or processes on CPU). dp = trainer_devices / (tp * pp)."""
     sequence_parallel: bool = False
-    """Needed for MoE with tp > 1 (Transformer Engine only; not available on CPU)."""
+    """Shard the sequence over the TP group outside attention and MLP (activation memory / tp in norms and
+    residuals); needs tp > 1, required by megatron-core for MoE with tp > 1. Packed rows are padded to a
+    multiple of tp."""
     distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (megatron-core DistributedOptimizer)."""
 
@@ -172,12 +202,87 @@ class ParallelConfig:
         for name in ("tp", "pp", "ep", "trainer_devices"):
             if getattr(self, name) < 1:
                 _fail(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.etp is not None and self.etp < 1:
+            _fail("etp", f"must be >= 1 or null, got {self.etp}")
         if self.trainer_devices % (self.tp * self.pp):
-            _fail("trainer_devices", f"must be a multiple of tp*pp={self.tp * self.pp}, got {self.trainer_devices}")
+            _fail(
+                "trainer_devices",
+                f"world size {self.trainer_devices} must be a multiple of tp x pp = {self.tp} x {self.pp}",
+            )
+        if self.sequence_parallel and self.tp == 1:
+            _fail("sequence_parallel", "needs tp > 1 (megatron-core: no sequence parallelism without TP)")
 
     @property
     def dp(self) -> int:
         return self.trainer_devices // (self.tp * self.pp)
+
+    def expert_tp(self, moe: bool) -> int:
+        """The expert-tensor-parallel size in effect (`etp`, or its default for the model)."""
+        if self.etp is not None:
+            return self.etp
+        return 1 if moe else self.tp
+
+    def expert_dp(self, moe: bool) -> int:
+        return self.trainer_devices // (self.expert_tp(moe) * self.ep * self.pp)
+
+    @property
+    def pad_multiple(self) -> int:
+        """Packed rows are padded to a multiple of this: sequence parallel splits a row over TP ranks."""
+        return self.tp if self.sequence_parallel else 1
+
+
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "shared_experts", "moe_act")
+"""megatron-core 0.19's selective-recompute modules that apply to these models (no MLA, no gated delta net)."""
+
+
+@dataclass
+class RecomputeConfig:
+    """Activation recomputation, as megatron-core names it (`TransformerConfig.recompute_*`).
+
+    none: keep every activation. selective: recompute the listed parts of each layer in backward (megatron's
+    default is core attention). full: keep only each layer's input and recompute the whole layer; `method`
+    uniform checkpoints groups of `num_layers` layers, block checkpoints the first `num_layers` layers of each
+    pipeline stage and keeps the rest.
+    """
+
+    granularity: Literal["none", "selective", "full"] = "none"
+    method: Literal["uniform", "block"] = "uniform"
+    """full only."""
+    num_layers: int = 1
+    """full only: layers per checkpointed group (uniform) or checkpointed layers per stage (block)."""
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    """selective only: any of core_attn, mlp, layernorm, moe, shared_experts, moe_act (moe_act needs
+    grouped GEMM)."""
+
+    def __post_init__(self) -> None:
+        if self.num_layers < 1:
+            _fail("num_layers", f"must be >= 1, got {self.num_layers}")
+        unknown = sorted(set(self.modules) - set(RECOMPUTE_MODULES))
+        if unknown:
+            _fail("modules", f"{unknown} not among megatron-core's recompute modules {list(RECOMPUTE_MODULES)}")
+        if self.granularity == "selective" and not self.modules:
+            _fail("modules", "selective recompute needs at least one module")
+
+
+@dataclass
+class PerformanceConfig:
+    """GPU kernels and fusions. null = on when the trainer runs Transformer Engine on CUDA, off otherwise
+    (none of them exists for megatron-core's local spec on CPU); true/false forces the choice."""
+
+    moe_grouped_gemm: bool | None = None
+    """All local experts of a layer in one grouped GEMM (TE's GroupedLinear) instead of one after another."""
+    moe_permute_fusion: bool | None = None
+    """Fused token permute/unpermute around the MoE all-to-all."""
+    bias_activation_fusion: bool | None = None
+    """Fused SwiGLU (megatron's bias_swiglu kernel)."""
+    bias_dropout_fusion: bool | None = None
+    """Fused residual add (bias-dropout-add) after attention and MLP."""
+    apply_rope_fusion: bool | None = None
+    """Fused RoPE kernel (also for the packed THD layout)."""
+    masked_softmax_fusion: bool | None = None
+    """Fused scale-mask-softmax (used where attention is not TE's flash/fused kernel)."""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight gradients accumulated straight into the fp32 main_grad buffer (fused wgrad GEMM)."""
 
 
 @dataclass
@@ -214,8 +319,10 @@ class TrainerConfig:
     """Dtype of the transformer body. CPU tests use fp32 for exact comparisons."""
     fp32_lm_head: bool = True
     """Output layer weights, matmul and log-softmax in fp32 (SCALERL.md §3; `loo-fp32` turns it off)."""
-    micro_batch_tokens: int = 16384
-    """Token budget of one packed micro-batch."""
+    micro_batch_tokens: int = 16512
+    """Token budget of one packed micro-batch (padding included). It must hold the longest sequence a rollout
+    can produce: max_prompt_tokens + max_thinking_tokens + the interruption phrase + answer_tokens (ScaleRL:
+    2,048 + 12,288 + ~20 + 2,048 = 16,404; the default leaves room for the phrase and SP padding)."""
     logprob_chunk_mib: int = 64
     """Size of one [tokens x vocab/tp] fp32 logits chunk in the log-prob/entropy computation (ours): the
     chunk has max(1, logprob_chunk_mib MiB / (4 x vocab/tp)) tokens (128 at a 128k vocabulary, TP 1)."""
@@ -224,6 +331,8 @@ class TrainerConfig:
     starts from random weights (model.hf_path null); 0 = none."""
     layer_spec: Literal["auto", "transformer_engine", "local"] = "auto"
     """auto = Transformer Engine when importable and CUDA is present, else megatron-core's local spec."""
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     seed: int = 1234
 
 
@@ -559,21 +668,41 @@ class RunConfig:
                 f"must divide the attention heads ({m.num_attention_heads}) and query groups "
                 f"({m.num_query_groups}), got {p.tp}",
             )
+        if m.ffn_hidden_size % p.tp:
+            _fail("parallel.tp", f"must divide model.ffn_hidden_size={m.ffn_hidden_size}, got {p.tp}")
         if m.num_layers % p.pp:
             _fail("parallel.pp", f"must divide model.num_layers={m.num_layers}, got {p.pp}")
-        if p.ep > 1:
-            if not m.is_moe:
-                _fail("parallel.ep", f"expert parallel needs an MoE model; {m.name} is dense")
+        if p.ep > 1 and not m.is_moe:
+            _fail("parallel.ep", f"expert parallel needs an MoE model; {m.name} is dense")
+        if p.etp is not None and not m.is_moe and p.etp != p.tp:
+            _fail("parallel.etp", f"expert tensor parallel applies to MoE models; {m.name} is dense (leave it null)")
+        if m.is_moe:
             assert m.moe.num_experts is not None
+            etp = p.expert_tp(True)
             if m.moe.num_experts % p.ep:
                 _fail("parallel.ep", f"must divide model.moe.num_experts={m.moe.num_experts}, got {p.ep}")
-            if p.dp * p.tp % p.ep:
+            expert_ranks = etp * p.ep * p.pp
+            if p.trainer_devices % expert_ranks:
                 _fail(
-                    "parallel.ep",
-                    f"must divide dp*tp={p.dp * p.tp} (experts are spread over data-parallel ranks), got {p.ep}",
+                    "parallel.etp" if p.etp is not None else "parallel.ep",
+                    f"megatron-core forms expert layers as world = etp x ep x pp x expert-dp: world size "
+                    f"{p.trainer_devices} is not a multiple of etp x ep x pp = {etp} x {p.ep} x {p.pp} = {expert_ranks}",
                 )
-        if m.is_moe and p.tp > 1 and not p.sequence_parallel:
-            _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
+            expert_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size
+            if expert_ffn % etp:
+                _fail("parallel.etp", f"must divide the expert ffn hidden size {expert_ffn}, got {etp}")
+            if p.tp > 1 and not p.sequence_parallel:
+                _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
+        longest = self.rollout.max_prompt_tokens + self.rollout.interruption.max_thinking_tokens
+        longest += self.rollout.answer_tokens
+        padded = -(-longest // p.pad_multiple) * p.pad_multiple
+        if self.trainer.micro_batch_tokens < padded:
+            _fail(
+                "trainer.micro_batch_tokens",
+                f"{self.trainer.micro_batch_tokens} cannot hold the longest sequence a rollout makes: max_prompt_tokens "
+                f"+ max_thinking_tokens + answer_tokens = {longest} tokens ({padded} padded to a multiple of "
+                f"{p.pad_multiple}), plus the interruption phrase",
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -784,6 +913,7 @@ def _layout_defaults(data: dict[str, Any]) -> dict[str, Any]:
         "tp": layout.tp,
         "pp": layout.pp,
         "ep": layout.ep,
+        "etp": layout.etp,
         "sequence_parallel": layout.sequence_parallel,
         "trainer_devices": layout.trainer_gpus,
     }

@@ -173,7 +173,7 @@ def _import_rank(hf_dir: Path, cfg: ModelConfig, parallel: ParallelConfig, train
 
     from megatron_rl.trainer.model import build_model
 
-    with megatron_process(parallel, trainer.seed):
+    with megatron_process(parallel, trainer.seed, cfg.is_moe):
         start = time.perf_counter()
         model = build_model(cfg, parallel, trainer, initialize=False)  # every weight comes from the files
         built = time.perf_counter()

@@ -33,16 +33,17 @@ def _layout_in_use() -> tuple[int, int, int] | None:
 
 
 @contextmanager
-def megatron_process(parallel: ParallelConfig, seed: int = 0) -> Iterator[None]:
-    """This process as one rank of `parallel`'s TP/PP/EP layout, for the duration of the block."""
+def megatron_process(parallel: ParallelConfig, seed: int = 0, moe: bool = False) -> Iterator[None]:
+    """This process as one rank of `parallel`'s TP/PP/EP layout, for the duration of the block (`moe`: the
+    model has experts, which sets the default expert-TP size)."""
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    from megatron_rl.trainer.distributed import free_port, init_distributed
+    from megatron_rl.trainer.distributed import free_port, init_distributed, process_group_backend
 
     created_group = not dist.is_initialized()
     if created_group and parallel.trainer_devices == 1:  # a plain process: do not read RANK/WORLD_SIZE
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = process_group_backend(torch.cuda.is_available())
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     in_use = _layout_in_use()
     wanted = (parallel.tp, parallel.pp, parallel.ep)
@@ -51,7 +52,7 @@ def megatron_process(parallel: ParallelConfig, seed: int = 0) -> Iterator[None]:
             f"layout mismatch: this process already runs megatron with tp/pp/ep={in_use}, the request is "
             f"tp/pp/ep={wanted}"
         )
-    init_distributed(parallel, seed)
+    init_distributed(parallel, seed, moe)
     destroy_moe_metrics_tracker()  # process-global and sized by the first MoE model built
     try:
         yield

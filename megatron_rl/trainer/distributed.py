@@ -33,8 +33,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_distributed(parallel: ParallelConfig, seed: int) -> RankInfo:
-    """Join (or create) the trainer's process group and megatron's TP/PP/EP/DP groups; idempotent."""
+def process_group_backend(cuda: bool) -> str:
+    """The default group's backend: NCCL for CUDA tensors and gloo for CPU ones on GPU nodes.
+
+    The trainer's bookkeeping (metric sums, micro-batch counts, the finite-step vote, all_gather_object)
+    reduces small CPU tensors. With "nccl" alone torch raises "No backend type associated with device type
+    cpu" on the first of them; megatron's groups are created with the default backend, so they serve both
+    device types too. (torch's documented multi-backend spelling, `init_process_group(backend=...)`.)
+    """
+    return "cpu:gloo,cuda:nccl" if cuda else "gloo"
+
+
+def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False) -> RankInfo:
+    """Join (or create) the trainer's process group and megatron's TP/PP/EP/ETP/DP groups; idempotent.
+
+    `moe`: whether the model has experts (the default expert-TP size depends on it, `ParallelConfig.etp`).
+    """
     from megatron.core import parallel_state, tensor_parallel
 
     from megatron_rl.trainer import cpu_compat
@@ -48,7 +62,7 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> RankInfo:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         dist.init_process_group(
-            "nccl" if cuda else "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size
+            process_group_backend(cuda), init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size
         )
     world_size = dist.get_world_size()
     if world_size != parallel.trainer_devices:
@@ -60,6 +74,7 @@ def init_distributed(parallel: ParallelConfig, seed: int) -> RankInfo:
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
             expert_model_parallel_size=parallel.ep,
+            expert_tensor_parallel_size=parallel.expert_tp(moe),
         )
     cpu_compat.apply()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -10,12 +10,14 @@ dtype; the log-prob path (logprobs.py) casts the final hidden states to fp32 bef
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config import ModelConfig, ParallelConfig, TrainerConfig
+from megatron_rl.config import ModelConfig, ParallelConfig, RecomputeConfig, TrainerConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -38,11 +40,37 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
     return available
 
 
+def performance_settings(trainer: TrainerConfig) -> dict[str, bool]:
+    """`trainer.performance`, each null resolved: on with Transformer Engine on CUDA, off otherwise."""
+    te = use_transformer_engine(trainer)
+    return {
+        name: te if value is None else value for name, value in dataclasses.asdict(trainer.performance).items()
+    }
+
+
+def recompute_settings(recompute: RecomputeConfig, te: bool) -> dict[str, Any]:
+    """`trainer.recompute` as megatron-core's TransformerConfig fields."""
+    if recompute.granularity == "selective" and "layernorm" in recompute.modules and not te:
+        # megatron-core 0.19.2's CheckpointWithoutOutput reads Transformer Engine's FP8 state unconditionally.
+        raise ValueError(
+            "trainer.recompute.modules: 'layernorm' needs Transformer Engine (megatron-core's norm recompute "
+            "reads TE's FP8 state); use core_attn, mlp, moe or shared_experts with the local layer spec"
+        )
+    if recompute.granularity == "none":
+        return dict(recompute_granularity=None)
+    if recompute.granularity == "selective":
+        return dict(recompute_granularity="selective", recompute_modules=list(recompute.modules))
+    return dict(
+        recompute_granularity="full", recompute_method=recompute.method, recompute_num_layers=recompute.num_layers
+    )
+
+
 def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig) -> Any:
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[trainer.params_dtype]
     cuda = torch.cuda.is_available()
+    perf = performance_settings(trainer)
     dispatcher = model.moe.token_dispatcher
     moe: dict[str, Any] = {}
     if model.is_moe:
@@ -59,7 +87,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
             # HF (Qwen3-MoE decoder_sparse_step, Llama-4 interleave_moe_layer_step): layer i is MoE when
             # (i + 1) % N == 0; megatron's integer form would make it i % N == 0.
             moe_layer_freq=[int((i + 1) % model.moe.layer_freq == 0) for i in range(model.num_layers)],
-            moe_grouped_gemm=False,
+            moe_grouped_gemm=perf["moe_grouped_gemm"],
+            moe_permute_fusion=perf["moe_permute_fusion"],
             moe_router_dtype="fp32",
         )
     return TransformerConfig(
@@ -88,18 +117,20 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
         expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp(model.is_moe),
         sequence_parallel=parallel.sequence_parallel,
         variable_seq_lengths=True,
         calculate_per_token_loss=True,
         use_cpu_initialization=not cuda,
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        gradient_accumulation_fusion=perf["gradient_accumulation_fusion"],
+        bias_activation_fusion=perf["bias_activation_fusion"],
+        bias_dropout_fusion=perf["bias_dropout_fusion"],
+        masked_softmax_fusion=perf["masked_softmax_fusion"],
+        apply_rope_fusion=perf["apply_rope_fusion"],
         persist_layer_norm=False,
         deallocate_pipeline_outputs=False,
         moe_token_dispatcher_type=dispatcher,
+        **recompute_settings(trainer.recompute, use_transformer_engine(trainer)),
         **moe,
     )
 
@@ -121,6 +152,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", qk_l2_norm=model.qk_l2_norm
     )
+    _packed_attention_spec(spec, model, te)
     rope_scaling = model.rope_scaling_factor is not None
     gpt = GPTModel(
         config=config,
@@ -151,6 +183,54 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
         cast_lm_head_to_fp32(gpt)
     cpu_compat.apply()  # covers megatron modules imported while building
     return gpt
+
+
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """torch's RMSNorm as megatron builds a norm (`config`, `hidden_size`, `eps`), usable under sequence
+    parallel: the weight is marked `sequence_parallel`, so that `finalize_model_grads` sums its gradient over
+    the TP group (each TP rank saw a slice of the sequence), as Transformer Engine's norms are marked.
+    Numerically the same module as megatron's `WrappedTorchNorm`, which refuses sequence parallel."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, **kwargs: Any) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel  # type: ignore[attr-defined]
+
+
+def _packed_attention_spec(block_spec: Any, model: ModelConfig, te: bool) -> None:
+    """Packed sequences (THD) in the layer specs, and on the local spec norms that allow sequence parallel.
+
+    Transformer Engine's attention reads `cu_seqlens` itself; Llama-4's chunk and temperature rules wrap it.
+    The local spec's `DotProductAttention` refuses packed sequences: it is replaced by `PackedCoreAttention`.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_rl.trainer.attention import PackedCoreAttention, te_packed_attention_class
+
+    llama4 = model.attention_chunk_size is not None or model.attn_temperature_tuning
+    core_attention: Any = None
+    if not te:
+        core_attention = functools.partial(_local_attention, PackedCoreAttention, model)
+    elif llama4:
+        core_attention = functools.partial(_local_attention, te_packed_attention_class(), model)
+
+    def norm(module: Any) -> Any:
+        return SequenceParallelRMSNorm if module is WrappedTorchNorm else module
+
+    for layer_spec in block_spec.layer_specs:
+        layer = layer_spec.submodules
+        attention = layer.self_attention.submodules
+        if core_attention is not None:
+            attention.core_attention = core_attention
+        layer.input_layernorm, layer.pre_mlp_layernorm = norm(layer.input_layernorm), norm(layer.pre_mlp_layernorm)
+        attention.q_layernorm, attention.k_layernorm = norm(attention.q_layernorm), norm(attention.k_layernorm)
+    block_spec.layer_norm = norm(block_spec.layer_norm)
+
+
+def _local_attention(cls: type, model: ModelConfig, *args: Any, layer_number: int, **kwargs: Any) -> Any:
+    """Build core attention `cls` for megatron layer `layer_number` (1-based, global) with its Llama-4 rule."""
+    from megatron_rl.trainer.attention import Llama4Attention
+
+    return cls(*args, layer_number=layer_number, llama4=Llama4Attention.for_layer(model, layer_number), **kwargs)
 
 
 def _set_rope_scaling(gpt: Any, model: ModelConfig) -> None:

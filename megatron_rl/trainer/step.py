@@ -7,8 +7,9 @@ One step:
 
     groups -> advantages (batch / group / none) and aggregation weights, computed over the WHOLE batch
            -> sequences sharded over data-parallel ranks, balanced by tokens
-           -> packed into rows of <= trainer.micro_batch_tokens (several sequences per row, block-diagonal
-              causal mask, positions restarting per sequence: no padding)
+           -> packed into rows of <= trainer.micro_batch_tokens in THD layout (several sequences per row,
+              megatron's PackedSeqParams with cu_seqlens: attention causal within each sequence, no mask;
+              positions restarting per sequence; padded only to what sequence parallel needs)
            -> megatron's forward/backward schedule (any TP/PP/EP); the last stage computes fp32 log-probs
               of the completion tokens only (logprobs.py) and the configured loss (megatron_rl.algo)
            -> gradients summed over micro-batches and data-parallel ranks (the weights already
@@ -66,10 +67,21 @@ class Sequence:
 
 @dataclass
 class MicroBatch:
+    """One packed row in THD layout: sequences back to back, described by `cu_seqlens`, no attention mask.
+
+    Positions restart at 0 for every sequence. The row is padded to a multiple of `pad_multiple` (sequence
+    parallel splits it over the TP ranks) with a padding segment of its own: it attends only to itself,
+    predicts nothing and is not in the loss.
+    """
+
     sequences: list[Sequence]
+    pad_multiple: int = 1
+    chunk_size: int | None = None
+    """Llama-4 chunked attention: cut the RoPE layers' attention every `chunk_size` tokens of a sequence."""
     input_ids: Tensor = field(init=False)
     position_ids: Tensor = field(init=False)
-    attention_mask: Tensor = field(init=False)
+    lengths: list[int] = field(init=False)
+    """Segment lengths in the row: the sequences, then the padding (if any)."""
     hidden_index_T: Tensor = field(init=False)
     """Row of the packed hidden states that predicts each completion token."""
     targets_T: Tensor = field(init=False)
@@ -84,20 +96,28 @@ class MicroBatch:
             hidden_index += range(offset + seq.num_prompt - 1, offset + len(seq.tokens) - 1)
             targets += seq.tokens[seq.num_prompt :]
             seq_index += [s] * seq.num_completion
-        length = len(tokens)
+        self.lengths = [len(seq.tokens) for seq in self.sequences]
+        padding = -len(tokens) % self.pad_multiple
+        if padding:
+            tokens += [0] * padding
+            positions += range(padding)
+            self.lengths.append(padding)
         self.input_ids = torch.tensor([tokens])
         self.position_ids = torch.tensor([positions])
-        # Block-diagonal causal mask, True = masked (megatron's convention): a token sees its own prefix.
-        seq_id = torch.tensor([s for s, seq in enumerate(self.sequences) for _ in seq.tokens])
-        causal = torch.ones(length, length, dtype=torch.bool).tril()
-        self.attention_mask = ~(causal & (seq_id[:, None] == seq_id[None, :]))[None, None]
         self.hidden_index_T = torch.tensor(hidden_index, dtype=torch.long)
         self.targets_T = torch.tensor(targets, dtype=torch.long)
         self.seq_index_T = torch.tensor(seq_index, dtype=torch.long)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens in the row, padding included."""
         return int(self.input_ids.shape[1])
+
+    def packed_seq_params(self, device: torch.device) -> Any:
+        """megatron's PackedSeqParams (THD) for this row, on `device`."""
+        from megatron_rl.trainer.attention import packed_rows
+
+        return packed_rows(self.lengths, device, self.chunk_size)
 
     def token_data(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per completion token: generator log-prob, advantage, loss mask, aggregation weight."""
@@ -146,13 +166,14 @@ def shard_for_rank(sequences: list[Sequence], num_shards: int, shard: int) -> li
     return mine
 
 
-def pack(sequences: list[Sequence], budget: int) -> list[list[Sequence]]:
-    """First-fit decreasing into rows of <= budget tokens (a longer sequence gets a row of its own)."""
+def pack(sequences: list[Sequence], budget: int, pad_multiple: int = 1) -> list[list[Sequence]]:
+    """First-fit decreasing into rows of <= budget tokens once padded to a multiple of `pad_multiple` (a longer
+    sequence gets a row of its own; the trainer refuses those before packing)."""
     rows: list[list[Sequence]] = []
     loads: list[int] = []
     for seq in sorted(sequences, key=lambda s: (-len(s.tokens), s.index)):
         for r, load in enumerate(loads):
-            if load + len(seq.tokens) <= budget:
+            if -(-(load + len(seq.tokens)) // pad_multiple) * pad_multiple <= budget:
                 rows[r].append(seq)
                 loads[r] += len(seq.tokens)
                 break
@@ -183,7 +204,7 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.run = run
-        self.info: RankInfo = init_distributed(run.parallel, run.trainer.seed)
+        self.info: RankInfo = init_distributed(run.parallel, run.trainer.seed, run.model.is_moe)
         torch.manual_seed(run.trainer.seed)
         self.model = build_model(run.model, run.parallel, run.trainer)
         config = self.model.config
@@ -248,15 +269,24 @@ class Trainer:
     def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
         from megatron.core import parallel_state
 
+        budget, multiple = self.run.trainer.micro_batch_tokens, self.run.parallel.pad_multiple
+        longest = max(sequences, key=lambda s: len(s.tokens))
+        if -(-len(longest.tokens) // multiple) * multiple > budget:  # same batch on every rank: all raise here
+            raise ValueError(
+                f"trainer.micro_batch_tokens: a sequence of {len(longest.tokens)} tokens (padded to a multiple of "
+                f"{multiple}) does not fit a micro-batch of {budget} tokens; raise trainer.micro_batch_tokens or "
+                "lower the rollout's length budgets"
+            )
         mine = shard_for_rank(
             sequences, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         )
-        rows = pack(mine, self.run.trainer.micro_batch_tokens)
+        rows = pack(mine, budget, multiple)
         count = torch.tensor([len(rows)])
         if dist.get_world_size() > 1:  # expert-parallel all-to-alls need the same count on every rank
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         rows += [[_filler()] for _ in range(int(count.item()) - len(rows))]
-        return [MicroBatch(row) for row in rows]
+        chunk = self.run.model.attention_chunk_size
+        return [MicroBatch(row, multiple, chunk) for row in rows]
 
     def _forward(self, model: Any, micro_batch: MicroBatch, record: dict[str, Any]) -> Tensor:
         from megatron.core import parallel_state, tensor_parallel
@@ -283,7 +313,8 @@ class Trainer:
         return model(
             micro_batch.input_ids.to(device),
             micro_batch.position_ids.to(device),
-            micro_batch.attention_mask.to(device),
+            None,  # packed sequences carry their boundaries in packed_seq_params: no mask, causal per sequence
+            packed_seq_params=micro_batch.packed_seq_params(device),
             output_processor=head,
         )
 

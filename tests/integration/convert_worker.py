@@ -61,7 +61,7 @@ def run_job(job: dict, world: int) -> dict:
     parallel = ParallelConfig(tp=job.get("tp", 1), pp=job.get("pp", 1), ep=job.get("ep", 1), trainer_devices=world)
     trainer = TrainerConfig(params_dtype="fp32", fp32_lm_head=True)
     result: dict = {}
-    with megatron_process(parallel, seed=7):
+    with megatron_process(parallel, seed=7, moe=cfg.is_moe):
         gpt = build_model(cfg, parallel, trainer)
         import_hf(job["hf"], cfg, parallel, model=gpt)
         result["logits"] = [megatron_logits(gpt, tokens) for tokens in job["tokens"]]

@@ -88,18 +88,35 @@ def test_data_parallel_shards_partition_the_batch():
     assert max(loads) - min(loads) <= 11  # greedy balance: within the longest sequence
 
 
-def test_micro_batch_mask_positions_and_targets():
+def test_micro_batch_is_thd_with_sequence_boundaries_and_padding():
     a, b = _seq(2, 3, 0), _seq(1, 2, 1)
     mb = MicroBatch([a, b])
     assert mb.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
-    mask = mb.attention_mask[0, 0]
-    assert not mask[4, 0] and mask[0, 4]  # causal inside a
-    assert mask[5, 4] and mask[6, 0]  # b never sees a
-    assert not mask[7, 5]
+    params = mb.packed_seq_params(torch.device("cpu"))
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == [0, 5, 8]
+    assert params.cu_seqlens_q.dtype == torch.int32 and params.max_seqlen_q == 5
+    assert not hasattr(mb, "attention_mask")  # no L x L mask anywhere
     # completion token j of a sequence is predicted by the hidden state just before it
     assert mb.hidden_index_T.tolist() == [1, 2, 3, 5, 6]
     assert mb.targets_T.tolist() == a.tokens[2:] + b.tokens[1:]
     assert mb.seq_index_T.tolist() == [0, 0, 0, 1, 1]
+
+    padded = MicroBatch([a, b], pad_multiple=4)  # sequence parallel over 4 TP ranks: 8 -> 8, 9 -> 12
+    assert padded.num_tokens == 8
+    odd = MicroBatch([a, b, _seq(1, 0, 2)], pad_multiple=4)
+    assert odd.num_tokens == 12 and odd.lengths == [5, 3, 1, 3]  # the padding is a segment of its own
+    assert odd.packed_seq_params(torch.device("cpu")).cu_seqlens_q.tolist() == [0, 5, 8, 9, 12]
+    assert odd.hidden_index_T.tolist() == [1, 2, 3, 5, 6]  # padding predicts nothing
+
+    chunked = MicroBatch([_seq(2, 9, 0), _seq(1, 3, 1)], chunk_size=4).packed_seq_params(torch.device("cpu"))
+    assert chunked.chunk_cu_seqlens.tolist() == [0, 4, 8, 11, 15]  # chunks counted from each sequence's start
+    assert chunked.positions.tolist() == list(range(11)) + list(range(4))
+
+
+def test_pack_counts_padding_against_the_budget():
+    sequences = [_seq(2, 3, i) for i in range(3)]  # 5 tokens each
+    assert len(pack(sequences, budget=10)) == 2  # 5 + 5 fits exactly
+    assert len(pack(sequences, budget=10, pad_multiple=4)) == 3  # 5 + 5 pads to 12 > 10
 
 
 # ------------------------------------------------------------------------------------------------

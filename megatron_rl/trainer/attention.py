@@ -1,0 +1,221 @@
+"""Core attention over packed sequences (THD): causal within each sequence, no L x L mask anywhere.
+
+The trainer packs several sequences into one row and describes the row with megatron-core's
+`PackedSeqParams` (`qkv_format="thd"`, `cu_seqlens` = the sequences' boundaries). The same description
+drives both backends, chosen in `trainer/model.py`:
+
+- GPUs (Transformer Engine spec): `TEDotProductAttention` reads `cu_seqlens` natively (flash / cuDNN
+  fused attention with `padding_causal`). TE ignores dense masks under the `causal` mask type, which is
+  why there is no mask path at all.
+- CPU (megatron-core's local spec): `PackedCoreAttention` below replaces megatron's `DotProductAttention`
+  (which refuses packed sequences and keeps the whole [heads, L, L] score matrix). It runs torch's
+  `scaled_dot_product_attention(is_causal=True)` once per sequence: torch's CPU flash kernel, memory
+  linear in the sequence length.
+
+Llama-4 adds two rules on top, as transformers' `Llama4TextAttention` and SGLang's `llama4.py` apply
+them (`Llama4Attention` below, used by both backends):
+
+- chunked local attention on the RoPE layers: a token attends to earlier tokens of its own
+  `attention_chunk_size`-token chunk only. Chunk starts are extra sequence boundaries in `cu_seqlens`
+  (counted from each sequence's start), applied after RoPE so that positions keep counting through the
+  chunk boundaries.
+- attention-temperature tuning on the NoPE layers: the query at position p (within its sequence) is
+  scaled by 1 + attn_scale * log(floor((p + 1) / floor_scale) + 1).
+
+Limits: no context parallelism (a CP rank would hold pieces of a sequence), no attention dropout (RL
+fine-tuning runs without it), no sliding windows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from megatron_rl.config import ModelConfig
+
+
+@dataclass
+class PackedRows(PackedSeqParams):
+    """megatron's `PackedSeqParams` (THD) for one packed row, with what the Llama-4 rules need precomputed
+    on the host (no device sync inside a layer)."""
+
+    chunk_cu_seqlens: Tensor | None = None
+    """Sequence boundaries plus a cut at every chunk start inside each sequence (chunked layers)."""
+    chunk_max_seqlen: int | None = None
+    positions: Tensor | None = None
+    """Position of each token within its own sequence (temperature-tuned layers)."""
+
+
+def packed_rows(lengths: list[int], device: torch.device | str, chunk_size: int | None = None) -> PackedRows:
+    """The THD description of a row holding sequences of `lengths` tokens, back to back."""
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = max(lengths)
+    rows = PackedRows(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=longest,
+        max_seqlen_kv=longest,
+        positions=torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths]).to(device),
+    )
+    if chunk_size is not None:
+        cuts = [b for start, end in zip(bounds, bounds[1:]) for b in range(start, end, chunk_size)] + [bounds[-1]]
+        rows.chunk_cu_seqlens = torch.tensor(cuts, dtype=torch.int32, device=device)
+        rows.chunk_max_seqlen = min(longest, chunk_size)
+    return rows
+
+
+@dataclass(frozen=True)
+class Llama4Attention:
+    """Llama-4's per-layer attention rule: chunked on RoPE layers, temperature-tuned on NoPE layers."""
+
+    chunk_size: int | None
+    """Chunk length on this layer, or None (a NoPE layer, or no chunking)."""
+    floor_scale: int | None
+    """Temperature step on this layer, or None (a RoPE layer, or no temperature tuning)."""
+    attn_scale: float = 0.1
+
+    @staticmethod
+    def for_layer(model: ModelConfig, layer_number: int) -> Llama4Attention | None:
+        """The rule of layer `layer_number` (1-based, as megatron numbers layers); None = plain causal."""
+        if not model.no_rope_freq:
+            return None
+        nope = layer_number % model.no_rope_freq == 0  # HF: layer i is NoPE when (i + 1) % interval == 0
+        rule = Llama4Attention(
+            chunk_size=None if nope else model.attention_chunk_size,
+            floor_scale=model.floor_scale if nope and model.attn_temperature_tuning else None,
+            attn_scale=model.attn_scale,
+        )
+        return rule if rule.chunk_size is not None or rule.floor_scale is not None else None
+
+    def packed_seq_params(self, rows: PackedRows) -> PackedRows:
+        """The attention's segments: `rows` with the chunk cuts on a chunked layer."""
+        if self.chunk_size is None:
+            return rows
+        if rows.chunk_cu_seqlens is None or rows.chunk_max_seqlen is None:
+            raise ValueError(f"chunked attention ({self.chunk_size} tokens): the packed rows carry no chunk boundaries")
+        return replace(
+            rows,
+            cu_seqlens_q=rows.chunk_cu_seqlens,
+            cu_seqlens_kv=rows.chunk_cu_seqlens,
+            max_seqlen_q=rows.chunk_max_seqlen,
+            max_seqlen_kv=rows.chunk_max_seqlen,
+        )
+
+    def scale_query(self, query_T: Tensor, rows: PackedRows) -> Tensor:
+        """Queries [tokens, heads, dim] scaled by the temperature of their position in their sequence."""
+        if self.floor_scale is None:
+            return query_T
+        if rows.positions is None:
+            raise ValueError("attention-temperature tuning: the packed rows carry no positions")
+        scale_T = torch.log1p(torch.floor((rows.positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        return (query_T * scale_T[:, None, None]).to(query_T.dtype)
+
+
+class PackedCoreAttention(torch.nn.Module):
+    """megatron's core-attention interface over packed sequences, for the local (CPU) layer spec.
+
+    Takes megatron's constructor arguments (`config`, `layer_number`, ...) and `forward(query, key, value,
+    attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None)`. With packed
+    sequences, query is [tokens, heads/tp, dim] and key/value [tokens, groups/tp, dim]; without them
+    (one sequence per batch row, e.g. a checkpoint's logit check) [seq, batch, heads, dim].
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_number: int,
+        attn_mask_type: Any = None,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+        llama4: Llama4Attention | None = None,
+    ) -> None:
+        super().__init__()
+        if config.context_parallel_size != 1:
+            raise ValueError("PackedCoreAttention: context parallelism needs Transformer Engine's attention")
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"PackedCoreAttention: attention dropout is not supported (got {dropout})")
+        self.config = config
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.llama4 = llama4
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> Tensor:
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError(
+                "PackedCoreAttention is causal within each sequence; describe packed rows with packed_seq_params "
+                "(cu_seqlens), not with an attention mask or bias"
+            )
+        if packed_seq_params is None:  # [s, b, h, d]: every batch row is one sequence
+            seq, batch = query.shape[:2]
+            flat = lambda x: x.transpose(0, 1).reshape(seq * batch, *x.shape[2:])  # noqa: E731
+            rows = packed_rows([seq] * batch, query.device, self.llama4.chunk_size if self.llama4 else None)
+            out = self._packed(flat(query), flat(key), flat(value), rows)
+            return out.view(batch, seq, -1).transpose(0, 1).contiguous()
+        if packed_seq_params.qkv_format != "thd":
+            raise ValueError(f"PackedCoreAttention: qkv_format {packed_seq_params.qkv_format!r}, expected 'thd'")
+        return self._packed(query, key, value, packed_seq_params)
+
+    def _packed(self, query_T: Tensor, key_T: Tensor, value_T: Tensor, rows: PackedRows) -> Tensor:
+        """[tokens, heads, dim] -> [tokens, heads * dim], causal attention within each segment."""
+        if self.llama4 is not None:
+            query_T = self.llama4.scale_query(query_T, rows)
+            rows = self.llama4.packed_seq_params(rows)
+        repeat = query_T.shape[1] // key_T.shape[1]
+        if repeat > 1:  # GQA: torch's CPU flash kernel wants equal head counts
+            key_T = key_T.repeat_interleave(repeat, dim=1)
+            value_T = value_T.repeat_interleave(repeat, dim=1)
+        bounds = rows.cu_seqlens_q.tolist()
+        outputs = []
+        for start, end in zip(bounds, bounds[1:]):
+            if end == start:
+                continue
+            q, k, v = (x[start:end].transpose(0, 1) for x in (query_T, key_T, value_T))  # [heads, len, dim]
+            outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale))
+        out_T = torch.cat(outputs, dim=1).transpose(0, 1)  # [tokens, heads, dim]
+        return out_T.reshape(out_T.shape[0], -1)
+
+
+def te_packed_attention_class() -> type:
+    """Transformer Engine's attention with the Llama-4 rules applied to its inputs (GPU only)."""
+    from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    class TELlama4Attention(TEDotProductAttention):  # type: ignore[misc,valid-type]
+        def __init__(self, *args: Any, llama4: Llama4Attention | None, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.llama4 = llama4
+
+        def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any) -> Tensor:
+            if self.llama4 is None:  # a layer without a rule (e.g. NoPE layers when only chunking is on)
+                return super().forward(query, key, value, attention_mask, **kwargs)
+            rows = kwargs.get("packed_seq_params")
+            if not isinstance(rows, PackedRows) or rows.qkv_format != "thd":
+                raise ValueError("Llama-4 attention rules need the trainer's packed rows (PackedRows, qkv_format='thd')")
+            query = self.llama4.scale_query(query, rows)
+            kwargs["packed_seq_params"] = self.llama4.packed_seq_params(rows)
+            return super().forward(query, key, value, attention_mask, **kwargs)
+
+    return TELlama4Attention
