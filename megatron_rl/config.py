@@ -155,13 +155,6 @@ class ModelConfig:
             _fail("attention_chunk_size", f"must be a positive number of tokens or null, got {self.attention_chunk_size}")
         if self.floor_scale < 1:
             _fail("floor_scale", f"must be >= 1, got {self.floor_scale}")
-        if (self.attention_chunk_size is not None or self.attn_temperature_tuning) and not self.no_rope_freq:
-            field_name = "attention_chunk_size" if self.attention_chunk_size is not None else "attn_temperature_tuning"
-            _fail(
-                field_name,
-                "chunked attention applies to RoPE layers and temperature tuning to NoPE layers: "
-                "it needs no_rope_freq (Llama-4 interleaves NoPE layers every 4th layer)",
-            )
 
     @property
     def is_moe(self) -> bool:

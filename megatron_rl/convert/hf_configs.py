@@ -29,6 +29,8 @@ CHECKED_FIELDS = (
     "qk_layernorm",
     "qk_l2_norm",
     "no_rope_freq",
+    "attention_chunk_size",
+    "attn_temperature_tuning",
 )
 MOE_FIELDS = ("num_experts", "router_topk", "ffn_hidden_size", "shared_expert_ffn_hidden_size", "layer_freq")
 
@@ -118,6 +120,8 @@ def _checked(cfg: ModelConfig) -> dict[str, Any]:
     values = {field: getattr(cfg, field) for field in CHECKED_FIELDS}
     if any(not (cfg.is_moe and (i + 1) % cfg.moe.layer_freq == 0) for i in range(cfg.num_layers)):
         values["ffn_hidden_size"] = cfg.ffn_hidden_size  # only dense layers use it
+    if cfg.attn_temperature_tuning:
+        values.update(floor_scale=cfg.floor_scale, attn_scale=cfg.attn_scale)
     values["moe.num_experts"] = cfg.moe.num_experts
     if cfg.is_moe:
         for field in MOE_FIELDS + ("router_score_function", "router_pre_softmax", "apply_probs_on_input"):

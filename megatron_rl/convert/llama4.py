@@ -13,10 +13,10 @@ and `down_proj` [experts, ffn, hidden], i.e. transposed relative to a linear lay
 one expert's slice at a time; exporting assembles the stack from the per-expert megatron tensors
 (`Stacked`). Dense layers (`interleave_moe_layer_step` > 1, Maverick) use `feed_forward.{gate,up,down}_proj`.
 
-What megatron's model computes differently from HF (README "Llama-4 Scout"): chunked local attention on
-RoPE layers (`attention_chunk_size`, 8192) and attention-temperature tuning on NoPE layers; both are
-identities below 8,192 tokens. Top-k > 1 routing differs (megatron renormalises sigmoid scores), so only
-top-1 (Scout, Maverick) is accepted.
+Chunked local attention on RoPE layers (`attention_chunk_size`) and attention-temperature tuning on NoPE
+layers (`attn_temperature_tuning`, `floor_scale`, `attn_scale`) are read into the model config and applied by
+the trainer's attention (trainer/attention.py). Top-k > 1 routing differs (megatron renormalises sigmoid
+scores), so only top-1 (Scout, Maverick) is accepted.
 
 Scout's Hub checkpoint is `Llama4ForConditionalGeneration`: its text tensors carry a `language_model.`
 prefix (read transparently), its vision tower and projector are not imported (listed, not an error), and
@@ -146,11 +146,27 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "no_rope_layers": _no_rope_layers(cfg),
         "no_rope_layer_interval": cfg.no_rope_freq or cfg.num_layers + 1,
         "router_aux_loss_coef": cfg.moe.aux_loss_coeff,
-        # Llama-4's values; megatron implements neither (identities below 8,192 tokens, module docstring).
-        "attention_chunk_size": 8192,
-        "attn_temperature_tuning": True,
-        "floor_scale": 8192,
-        "attn_scale": 0.1,
+        # transformers builds the chunked mask whenever a layer uses RoPE: "no chunking" is written as a chunk
+        # as long as the longest sequence the model takes.
+        "attention_chunk_size": cfg.attention_chunk_size or cfg.max_position_embeddings,
+        "attn_temperature_tuning": cfg.attn_temperature_tuning,
+        "floor_scale": cfg.floor_scale,
+        "attn_scale": cfg.attn_scale,
+    }
+
+
+def _attention_fields(hf: dict[str, Any]) -> dict[str, Any]:
+    """Chunked attention and temperature tuning, with transformers' defaults for missing keys (8192, on,
+    8192, 0.1). Scout writes `attn_temperature_tuning: 4`: any true value turns it on, as in transformers.
+    A chunk at least as long as max_position_embeddings never cuts: it reads as no chunking."""
+    chunk = hf.get("attention_chunk_size", 8192)
+    if chunk is not None and chunk >= hf.get("max_position_embeddings", chunk + 1):
+        chunk = None
+    return {
+        "attention_chunk_size": chunk,
+        "attn_temperature_tuning": bool(hf.get("attn_temperature_tuning", True)),
+        "floor_scale": int(hf.get("floor_scale", 8192)),
+        "attn_scale": float(hf.get("attn_scale", 0.1)),
     }
 
 
@@ -158,8 +174,10 @@ def model_config(hf: dict[str, Any], name: str) -> ModelConfig:
     hf = text_config(hf)
     hf_configs.unsupported(hf, "llama4", attention_bias=False, hidden_act="silu", num_experts_per_tok=1)
     num_layers = hf["num_hidden_layers"]
-    rope_layers = hf.get("no_rope_layers") or [1] * num_layers
     interval = hf.get("no_rope_layer_interval", 4)
+    # As transformers' Llama4TextConfig: an empty or missing list means a NoPE layer every `interval` layers
+    # (Scout's config.json has no_rope_layers: []).
+    rope_layers = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(num_layers)]
     no_rope_freq = None if all(rope_layers) else interval
     if rope_layers != [int(not no_rope_freq or (i + 1) % no_rope_freq != 0) for i in range(num_layers)]:
         raise ValueError(f"config.json (llama4): no_rope_layers={rope_layers} is not one NoPE layer every N")
@@ -172,6 +190,7 @@ def model_config(hf: dict[str, Any], name: str) -> ModelConfig:
         "ffn_hidden_size": hf.get("intermediate_size_mlp", hf["intermediate_size"]),
         "qk_l2_norm": bool(hf.get("use_qk_norm", True)),
         "no_rope_freq": no_rope_freq,
+        **_attention_fields(hf),
     }
     moe = {
         "num_experts": hf["num_local_experts"],

@@ -88,9 +88,8 @@ class Llama4Attention:
     @staticmethod
     def for_layer(model: ModelConfig, layer_number: int) -> Llama4Attention | None:
         """The rule of layer `layer_number` (1-based, as megatron numbers layers); None = plain causal."""
-        if not model.no_rope_freq:
-            return None
-        nope = layer_number % model.no_rope_freq == 0  # HF: layer i is NoPE when (i + 1) % interval == 0
+        # HF: layer i is NoPE when (i + 1) % no_rope_layer_interval == 0; every other layer uses RoPE.
+        nope = bool(model.no_rope_freq) and layer_number % model.no_rope_freq == 0
         rule = Llama4Attention(
             chunk_size=None if nope else model.attention_chunk_size,
             floor_scale=model.floor_scale if nope and model.attn_temperature_tuning else None,

@@ -25,7 +25,6 @@ def megatron_logits(gpt, tokens: list[int]) -> torch.Tensor:
 
     ids = torch.tensor([tokens])
     positions = torch.arange(len(tokens))[None]
-    mask = ~torch.ones(len(tokens), len(tokens), dtype=torch.bool).tril()[None, None]  # True = masked
     pp_group, pp_rank = ps.get_pipeline_model_parallel_group(), ps.get_pipeline_model_parallel_rank()
     pp_size = ps.get_pipeline_model_parallel_world_size()
     hidden_shape = (len(tokens), 1, gpt.config.hidden_size)
@@ -34,7 +33,7 @@ def megatron_logits(gpt, tokens: list[int]) -> torch.Tensor:
         dist.recv(hidden, src=dist.get_global_rank(pp_group, pp_rank - 1), group=pp_group)
         gpt.set_input_tensor(hidden)
     with torch.no_grad():
-        out = gpt(ids, positions, mask)
+        out = gpt(ids, positions, None)  # one causal sequence per row
     if pp_rank < pp_size - 1:
         dist.send(out.contiguous(), dst=dist.get_global_rank(pp_group, pp_rank + 1), group=pp_group)
     logits = torch.empty(len(tokens), gpt.vocab_size, dtype=torch.float32)

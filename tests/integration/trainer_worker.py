@@ -3,7 +3,7 @@
     python tests/integration/trainer_worker.py SPEC_JSON
 
 SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
-       "steps": n, "out": file}. Every rank writes its results to `out.rank<r>`: log-probs of a
+       "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, ...}. Every rank writes its results to `out.rank<r>`: log-probs of a
 fixed batch before training, then the loss and grad norm of each step.
 """
 
@@ -16,16 +16,24 @@ import sys
 import torch
 
 
-def fixed_batch(seed: int = 0, prompts: int = 4, group: int = 4, vocab: int = 500) -> list:
+def fixed_batch(
+    seed: int = 0,
+    prompts: int = 4,
+    group: int = 4,
+    vocab: int = 500,
+    prompt_len: tuple[int, int] = (3, 9),
+    completion_len: tuple[int, int] = (2, 12),
+) -> list:
+    """Groups of random tokens; lengths drawn from [low, high) (prompt per group, completion per sample)."""
     from megatron_rl.rollout.types import Completion, Group
 
     rng = random.Random(seed)
     groups = []
     for p in range(prompts):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(3, 9))]
+        prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(*prompt_len))]
         completions = []
         for g in range(group):
-            n = rng.randrange(2, 12)
+            n = rng.randrange(*completion_len)
             completions.append(
                 Completion(
                     prompt_id=str(p),
@@ -45,7 +53,7 @@ def fixed_batch(seed: int = 0, prompts: int = 4, group: int = 4, vocab: int = 50
 def main(spec: dict) -> None:
     from megatron_rl.config import load_config
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_rl.trainer.step import Trainer
+    from megatron_rl.trainer.step import Trainer, sequences_from_groups
 
     torch.set_num_threads(1)
     run = load_config(spec.get("recipe", "scalerl-cpu"), spec["model"], spec.get("overrides", []))
@@ -59,7 +67,9 @@ def main(spec: dict) -> None:
         trainer.optimizer.reload_model_params()
     if spec.get("load"):
         load_checkpoint(trainer, spec["load"], model_only=spec.get("model_only", False))
-    batch = fixed_batch(vocab=run.model.vocab_size)
+    batch = fixed_batch(vocab=run.model.vocab_size, **spec.get("batch", {}))
+    if spec.get("dump_batch") and torch.distributed.get_rank() == 0:
+        torch.save(batch, spec["dump_batch"])
     if spec.get("dump_hf"):
         from megatron_rl.trainer.weights import iter_hf_weights
 
@@ -69,6 +79,7 @@ def main(spec: dict) -> None:
         if torch.distributed.get_rank() == 0:
             torch.save(exported, spec["dump_hf"])
     result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": []}
+    result["micro_batches"] = [len(mb.sequences) for mb in trainer._micro_batches(sequences_from_groups(batch, run))]
     if spec.get("dump_state"):
         state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
         torch.save({"state": state, "batch": batch}, spec["dump_state"])

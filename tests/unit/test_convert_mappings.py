@@ -134,6 +134,38 @@ def test_scout_multimodal_config_reads_its_text_model():
     assert family("llama4").checkpoint_prefix({"language_model.model.embed_tokens.weight"}) == "language_model."
 
 
+@pytest.mark.parametrize("no_rope_layers", [[], None, "missing"], ids=["empty", "null", "missing"])
+def test_scout_config_json_derives_nope_layers_and_attention_rules_as_transformers(no_rope_layers):
+    from transformers import Llama4TextConfig
+
+    # Scout's config.json as published: no_rope_layers [], attn_temperature_tuning 4 (an int), chunk 8192.
+    text = {**family("llama4").hf_config(model_cfg("llama4")), "num_hidden_layers": 8, "no_rope_layer_interval": 4}
+    text.update(attention_chunk_size=8192, attn_temperature_tuning=4, floor_scale=8192, attn_scale=0.1)
+    text.update(max_position_embeddings=10485760)
+    del text["moe_layers"]
+    if no_rope_layers == "missing":
+        del text["no_rope_layers"]
+    else:
+        text["no_rope_layers"] = no_rope_layers
+    cfg = family("llama4").model_config(text, "scout")
+    hf_args = {k: v for k, v in text.items() if k not in ("model_type", "architectures")}
+    hf = Llama4TextConfig(**{**hf_args, "attn_temperature_tuning": True})  # transformers 5 types it as a bool
+    assert hf.no_rope_layers == [1, 1, 1, 0, 1, 1, 1, 0]  # transformers: every 4th layer is NoPE
+    assert cfg.no_rope_freq == 4
+    assert cfg.attention_chunk_size == 8192 and cfg.attn_temperature_tuning is True
+    assert (cfg.floor_scale, cfg.attn_scale) == (8192, 0.1)
+    written = family("llama4").hf_config(cfg)
+    assert written["no_rope_layers"] == hf.no_rope_layers and written["attention_chunk_size"] == 8192
+
+
+def test_llama4_without_chunking_writes_a_chunk_that_never_cuts():
+    cfg = model_cfg("llama4")
+    assert cfg.attention_chunk_size is None
+    written = family("llama4").hf_config(cfg)
+    assert written["attention_chunk_size"] == cfg.max_position_embeddings
+    assert family("llama4").model_config(written, "x").attention_chunk_size is None
+
+
 def test_unknown_architecture_and_unsupported_settings_are_named():
     with pytest.raises(ValueError, match="unknown architecture.*'gpt2'.*GPT2LMHeadModel"):
         family_of({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
