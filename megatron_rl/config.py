@@ -87,6 +87,8 @@ class ParallelLayout:
     ep: int = 1
     etp: int | None = None
     sequence_parallel: bool = False
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute this layout needs (`trainer.recompute.granularity` unless the recipe sets it)."""
     trainer_gpus: int = 1
     generator_gpus: int = 0
     generator_tp: int = 1
@@ -152,7 +154,10 @@ class ModelConfig:
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             _fail("kv_channels", "must be set when hidden_size is not a multiple of num_attention_heads")
         if self.attention_chunk_size is not None and self.attention_chunk_size < 1:
-            _fail("attention_chunk_size", f"must be a positive number of tokens or null, got {self.attention_chunk_size}")
+            _fail(
+                "attention_chunk_size",
+                "must be a positive number of tokens or null, got " + str(self.attention_chunk_size),
+            )
         if self.floor_scale < 1:
             _fail("floor_scale", f"must be >= 1, got {self.floor_scale}")
 
@@ -678,8 +683,9 @@ class RunConfig:
             if p.trainer_devices % expert_ranks:
                 _fail(
                     "parallel.etp" if p.etp is not None else "parallel.ep",
-                    f"megatron-core forms expert layers as world = etp x ep x pp x expert-dp: world size "
-                    f"{p.trainer_devices} is not a multiple of etp x ep x pp = {etp} x {p.ep} x {p.pp} = {expert_ranks}",
+                    "megatron-core forms expert layers as world = etp x ep x pp x expert-dp: world size "
+                    f"{p.trainer_devices} is not a multiple of etp x ep x pp = {etp} x {p.ep} x {p.pp} "
+                    f"= {expert_ranks}",
                 )
             expert_ffn = m.moe.ffn_hidden_size or m.ffn_hidden_size
             if expert_ffn % etp:
@@ -692,9 +698,9 @@ class RunConfig:
         if self.trainer.micro_batch_tokens < padded:
             _fail(
                 "trainer.micro_batch_tokens",
-                f"{self.trainer.micro_batch_tokens} cannot hold the longest sequence a rollout makes: max_prompt_tokens "
-                f"+ max_thinking_tokens + answer_tokens = {longest} tokens ({padded} padded to a multiple of "
-                f"{p.pad_multiple}), plus the interruption phrase",
+                f"{self.trainer.micro_batch_tokens} cannot hold the longest sequence a rollout makes: "
+                f"max_prompt_tokens + max_thinking_tokens + answer_tokens = {longest} tokens "
+                f"({padded} padded to a multiple of {p.pad_multiple}), plus the interruption phrase",
             )
 
     @property
@@ -911,7 +917,8 @@ def _layout_defaults(data: dict[str, Any]) -> dict[str, Any]:
         "trainer_devices": layout.trainer_gpus,
     }
     engine = {"tp": layout.generator_tp, "num_engines": max(1, layout.generator_gpus // layout.generator_tp)}
-    data = _deep_merge({"parallel": parallel, "rollout": {"engine": engine}}, data)
+    trainer = {"recompute": {"granularity": layout.recompute}}
+    data = _deep_merge({"parallel": parallel, "rollout": {"engine": engine}, "trainer": trainer}, data)
     return data
 
 

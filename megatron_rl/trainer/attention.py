@@ -34,9 +34,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
-
 from megatron.core.packed_seq_params import PackedSeqParams
+from torch import Tensor
 
 from megatron_rl.config import ModelConfig
 
@@ -69,7 +68,8 @@ def packed_rows(lengths: list[int], device: torch.device | str, chunk_size: int 
         positions=torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths]).to(device),
     )
     if chunk_size is not None:
-        cuts = [b for start, end in zip(bounds, bounds[1:]) for b in range(start, end, chunk_size)] + [bounds[-1]]
+        spans = zip(bounds[:-1], bounds[1:], strict=True)
+        cuts = [b for start, end in spans for b in range(start, end, chunk_size)] + [bounds[-1]]
         rows.chunk_cu_seqlens = torch.tensor(cuts, dtype=torch.int32, device=device)
         rows.chunk_max_seqlen = min(longest, chunk_size)
     return rows
@@ -189,7 +189,7 @@ class PackedCoreAttention(torch.nn.Module):
             value_T = value_T.repeat_interleave(repeat, dim=1)
         bounds = rows.cu_seqlens_q.tolist()
         outputs = []
-        for start, end in zip(bounds, bounds[1:]):
+        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             if end == start:
                 continue
             q, k, v = (x[start:end].transpose(0, 1) for x in (query_T, key_T, value_T))  # [heads, len, dim]
@@ -212,7 +212,7 @@ def te_packed_attention_class() -> type:
                 return super().forward(query, key, value, attention_mask, **kwargs)
             rows = kwargs.get("packed_seq_params")
             if not isinstance(rows, PackedRows) or rows.qkv_format != "thd":
-                raise ValueError("Llama-4 attention rules need the trainer's packed rows (PackedRows, qkv_format='thd')")
+                raise ValueError("Llama-4 attention rules need the trainer's packed rows (PackedRows, THD format)")
             query = self.llama4.scale_query(query, rows)
             kwargs["packed_seq_params"] = self.llama4.packed_seq_params(rows)
             return super().forward(query, key, value, attention_mask, **kwargs)

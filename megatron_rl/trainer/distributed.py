@@ -44,6 +44,13 @@ def process_group_backend(cuda: bool) -> str:
     return "cpu:gloo,cuda:nccl" if cuda else "gloo"
 
 
+def served_device_types(backend: str) -> set[str]:
+    """Device types a group with this backend string serves ("cpu:gloo,cuda:nccl" -> {"cpu", "cuda"})."""
+    if ":" in backend:
+        return {part.split(":")[0] for part in backend.split(",")}
+    return {"nccl": {"cuda"}, "gloo": {"cpu", "cuda"}, "fake": {"cpu", "cuda"}}.get(backend, set())
+
+
 def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False) -> RankInfo:
     """Join (or create) the trainer's process group and megatron's TP/PP/EP/ETP/DP groups; idempotent.
 

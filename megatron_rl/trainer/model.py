@@ -43,9 +43,7 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
 def performance_settings(trainer: TrainerConfig) -> dict[str, bool]:
     """`trainer.performance`, each null resolved: on with Transformer Engine on CUDA, off otherwise."""
     te = use_transformer_engine(trainer)
-    return {
-        name: te if value is None else value for name, value in dataclasses.asdict(trainer.performance).items()
-    }
+    return {name: te if value is None else value for name, value in dataclasses.asdict(trainer.performance).items()}
 
 
 def recompute_settings(recompute: RecomputeConfig, te: bool) -> dict[str, Any]:

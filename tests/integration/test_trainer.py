@@ -241,30 +241,79 @@ def test_resume_gives_the_bit_identical_next_step(tmp_path):
     "model, layout",
     [
         ("cpu_demo", ["parallel.tp=2"]),
+        ("cpu_demo", ["parallel.tp=2", "parallel.sequence_parallel=true"]),
         ("cpu_demo", ["parallel.pp=2"]),
         ("cpu_demo", []),  # DP=2 with the distributed optimizer
         ("tiny_moe", ["parallel.ep=2"]),
+        ("tiny_moe", ["parallel.tp=2", "parallel.sequence_parallel=true"]),  # experts whole (etp 1), DP 2 for them
+        ("tiny_moe", ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.etp=2"]),
     ],
-    ids=["tp2", "pp2", "dp2", "ep2"],
+    ids=["tp2", "tp2_sp", "pp2", "dp2", "ep2", "moe_tp2_sp", "moe_tp2_sp_etp2"],
 )
 def test_parallel_layouts_match_a_single_rank(tmp_path, model, layout):
+    """Log-probs, and loss and gradient norm of two steps (the second sees the first step's whole gradient
+    through Adam), on packed rows of odd lengths (sequence parallel pads them)."""
     single = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
     (ref,) = _run(tmp_path, "ref", {"model": model, "overrides": LR + single, "save": str(tmp_path / "ck")})
     checkpoint = str(tmp_path / "ck" / "step_00000000")
     (ref_step,) = _run(
         tmp_path,
         "ref_step",
-        {"model": model, "overrides": LR + single, "load": checkpoint, "model_only": True, "steps": 1},
+        {"model": model, "overrides": LR + single, "load": checkpoint, "model_only": True, "steps": 2},
     )
     overrides = LR + single[:3] + layout + ["parallel.trainer_devices=2"]
     ranks = _run(
         tmp_path,
         "par",
-        {"model": model, "overrides": overrides, "load": checkpoint, "model_only": True, "steps": 1},
+        {"model": model, "overrides": overrides, "load": checkpoint, "model_only": True, "steps": 2},
         world=2,
     )
     for rank in ranks:
         assert _max_diff(rank["logprobs"], ref["logprobs"]) < 2e-5
-        step, expected = rank["steps"][0], ref_step["steps"][0]
-        assert step["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-5, abs=1e-6)
-        assert step["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+        for step, expected in zip(rank["steps"], ref_step["steps"], strict=True):
+            assert step["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-5, abs=1e-6)
+            assert step["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, recompute",
+    [
+        ("cpu_demo", ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn,mlp]"]),
+        ("cpu_demo", ["trainer.recompute.granularity=full", "trainer.recompute.method=uniform"]),
+        ("cpu_demo", ["trainer.recompute.granularity=full", "trainer.recompute.method=block"]),
+        ("tiny_llama4", ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn,moe]"]),
+        ("tiny_llama4", ["trainer.recompute.granularity=full", "trainer.recompute.num_layers=2"]),
+    ],
+    ids=["selective", "full_uniform", "full_block", "moe_selective", "moe_full_2_layers"],
+)
+def test_recompute_gives_identical_loss_and_gradients(tmp_path, model, recompute):
+    single = ["parallel.ep=1", "parallel.trainer_devices=1"]
+    if model == "tiny_llama4":  # recompute through the chunked and temperature-tuned attention too
+        single += ["model.attention_chunk_size=4", "model.attn_temperature_tuning=true", "model.floor_scale=4"]
+    spec = {"model": model, "steps": 1, "grads": True}
+    (plain,) = _run(tmp_path, "plain", {**spec, "overrides": LR + single})
+    (again,) = _run(tmp_path, "again", {**spec, "overrides": LR + single + recompute})
+    assert again["steps"] == plain["steps"]  # loss, grad norm, mismatch
+    assert sorted(again["grads"]) == sorted(plain["grads"])
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(again["grads"][name], grad, rtol=1e-6, atol=1e-8, msg=name)
+
+
+@pytest.mark.slow
+def test_trainer_collectives_only_pass_tensors_the_gpu_process_groups_serve(tmp_path):
+    """Every tensor any collective receives in a step (ours and megatron's: MoE dispatch, sequence parallel,
+    gradient reduction, metric sums) must be of a device type that the default group serves on a GPU node.
+    The bookkeeping is on CPU: a NCCL-only group (torch: "No backend type associated with device type cpu")
+    would fail, the trainer's "cpu:gloo,cuda:nccl" serves it."""
+    from megatron_rl.trainer.distributed import process_group_backend, served_device_types
+
+    overrides = LR + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.trainer_devices=2"]
+    spec = {"model": "tiny_moe", "overrides": overrides, "steps": 1, "record_collectives": True}
+    for rank in _run(tmp_path, "collectives", spec, world=2):
+        seen = rank["collective_devices"]
+        assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"} <= set(seen), seen
+        used = set().union(*seen.values())
+        assert "cpu" in used  # on a GPU node these would be the CPU bookkeeping tensors
+        assert used <= served_device_types(process_group_backend(cuda=True)), seen
+        assert not used <= served_device_types("nccl")  # what an NCCL-only default group would refuse

@@ -3,8 +3,9 @@
     python tests/integration/trainer_worker.py SPEC_JSON
 
 SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
-       "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, ...}. Every rank writes its results to `out.rank<r>`: log-probs of a
-fixed batch before training, then the loss and grad norm of each step.
+       "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, ...}.
+Every rank writes its results to `out.rank<r>`: log-probs of a fixed batch before training, then the loss and
+grad norm of each step.
 """
 
 from __future__ import annotations
@@ -50,12 +51,54 @@ def fixed_batch(
     return groups
 
 
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast",
+    "send", "recv", "isend", "irecv", "reduce_scatter", "all_to_all", "_all_gather_base", "_reduce_scatter_base",
+)  # fmt: skip
+
+
+def _record_collective_devices() -> dict[str, set[str]]:
+    """Wrap torch.distributed's collectives (megatron's calls included) and record the device type of every
+    tensor each one receives: {collective name: {device types}}."""
+    import torch.distributed as dist
+
+    seen: dict[str, set[str]] = {}
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                yield from tensors(item)
+
+    def wrap(name, fn):
+        def collective(*args, **kwargs):
+            for tensor in tensors(list(args) + list(kwargs.values())):
+                seen.setdefault(name, set()).add(tensor.device.type)
+            return fn(*args, **kwargs)
+
+        return collective
+
+    for name in COLLECTIVES:
+        if hasattr(dist, name):
+            setattr(dist, name, wrap(name, getattr(dist, name)))
+    p2p_op = dist.P2POp.__init__
+
+    def p2p_init(self, op, tensor, *args, **kwargs):
+        seen.setdefault("batch_isend_irecv", set()).add(tensor.device.type)
+        p2p_op(self, op, tensor, *args, **kwargs)
+
+    dist.P2POp.__init__ = p2p_init
+    return seen
+
+
 def main(spec: dict) -> None:
     from megatron_rl.config import load_config
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.step import Trainer, sequences_from_groups
 
     torch.set_num_threads(1)
+    devices = _record_collective_devices() if spec.get("record_collectives") else None
     run = load_config(spec.get("recipe", "scalerl-cpu"), spec["model"], spec.get("overrides", []))
     trainer = Trainer(run)
     if spec.get("hf"):
@@ -95,6 +138,10 @@ def main(spec: dict) -> None:
             save_checkpoint(trainer, spec["save"], {"note": "test"})
     if spec.get("save") and not spec.get("save_after"):
         save_checkpoint(trainer, spec["save"], {"note": "test"})
+    if spec.get("grads"):  # this rank's gradients of the last step (megatron's fp32 main_grad buffers)
+        result["grads"] = {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    if devices is not None:
+        result["collective_devices"] = devices
     head = trainer.model.output_layer.weight if trainer.model.post_process else None
     if head is not None:
         result["head_dtype"] = str(head.dtype)

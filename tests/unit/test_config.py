@@ -74,7 +74,20 @@ def test_overrides_are_typed_and_dotted():
         ("algo.eps_max=0.5", "algo.eps_max: must be > 1"),
         ("rollout.bogus=1", "rollout.bogus: unknown field of RolloutConfig"),
         ("trainer.optimizer.lr=-1", "trainer.optimizer.lr: must be > 0"),
-        ("parallel.tp=3", "parallel.trainer_devices: must be a multiple of tp*pp=3"),
+        ("parallel.tp=3", "parallel.trainer_devices: world size 1 must be a multiple of tp x pp = 3 x 1"),
+        ("parallel.sequence_parallel=true", "parallel.sequence_parallel: needs tp > 1"),
+        ("parallel.etp=0", "parallel.etp: must be >= 1 or null"),
+        ("model.attention_chunk_size=0", "model.attention_chunk_size: must be a positive number of tokens or null"),
+        ("model.floor_scale=0", "model.floor_scale: must be >= 1"),
+        ("trainer.recompute.granularity=some", "trainer.recompute.granularity: 'some' is not one of"),
+        ("trainer.recompute.modules=[attn]", "trainer.recompute.modules: ['attn'] not among megatron-core's"),
+        ("trainer.recompute={granularity: selective, modules: []}", "trainer.recompute.modules: selective recompute"),
+        ("trainer.recompute.num_layers=0", "trainer.recompute.num_layers: must be >= 1"),
+        (
+            "trainer.micro_batch_tokens=16000",
+            "trainer.micro_batch_tokens: 16000 cannot hold the longest sequence a rollout makes: max_prompt_tokens "
+            "+ max_thinking_tokens + answer_tokens = 16384 tokens",
+        ),
         ("algo.length_penalty.enabled=true", "algo.length_penalty.enabled: length penalty and rollout.interruption"),
         ("data.datasets=[{source: x, task: poetry}]", "data.datasets[0].task: 'poetry' is not one of"),
         ("noequals", "expected the form section.field=value"),
@@ -95,10 +108,26 @@ def test_parallel_layout_checked_against_the_model():
     assert ok.parallel.dp == 2
 
 
+def test_recompute_module_megatron_cannot_run_on_cpu_is_refused_at_start():
+    from megatron_rl.config import RecomputeConfig
+    from megatron_rl.trainer.model import recompute_settings
+
+    layernorm = RecomputeConfig(granularity="selective", modules=["core_attn", "layernorm"])
+    with pytest.raises(ValueError, match="trainer.recompute.modules: 'layernorm' needs Transformer Engine"):
+        recompute_settings(layernorm, te=False)
+    assert recompute_settings(layernorm, te=True)["recompute_modules"] == ["core_attn", "layernorm"]
+    full = recompute_settings(RecomputeConfig(granularity="full", method="block", num_layers=2), te=False)
+    assert full == dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2)
+    assert recompute_settings(RecomputeConfig(), te=False) == dict(recompute_granularity=None)
+
+
 def test_model_layout_sets_the_split_unless_overridden():
     c = load_config("scalerl", "llama4_scout_17bx16e")
     assert (c.parallel.tp, c.parallel.ep, c.parallel.sequence_parallel, c.parallel.trainer_devices) == (4, 8, True, 16)
     assert c.rollout.engine.tp == 4 and c.rollout.engine.num_engines * c.rollout.engine.tp == 64
+    assert (c.parallel.etp, c.parallel.expert_dp(True), c.trainer.recompute.granularity) == (1, 2, "full")
+    no_recompute = load_config("scalerl", "llama4_scout_17bx16e", ["trainer.recompute.granularity=none"])
+    assert no_recompute.trainer.recompute.granularity == "none"
     assert load_config("scalerl", "llama3_8b", ["parallel.tp=4"]).parallel.tp == 4
 
 
