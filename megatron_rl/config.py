@@ -692,15 +692,24 @@ class RunConfig:
                 _fail("parallel.etp", f"must divide the expert ffn hidden size {expert_ffn}, got {etp}")
             if p.tp > 1 and not p.sequence_parallel:
                 _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
-        longest = self.rollout.max_prompt_tokens + self.rollout.interruption.max_thinking_tokens
-        longest += self.rollout.answer_tokens
+        self.check_row_budget(phrase_tokens=0)
+
+    def check_row_budget(self, phrase_tokens: int) -> None:
+        """The longest sequence a rollout can make, padded for sequence parallel, must fit one micro-batch row:
+        max_prompt_tokens + max_thinking_tokens + the interruption phrase + answer_tokens. The config check
+        counts the phrase as 0 tokens; the driver checks again with the tokenizer's count."""
+        r, p = self.rollout, self.parallel
+        longest = r.max_prompt_tokens + r.interruption.max_thinking_tokens + r.answer_tokens
+        longest += phrase_tokens if r.interruption.enabled else 0
         padded = -(-longest // p.pad_multiple) * p.pad_multiple
         if self.trainer.micro_batch_tokens < padded:
+            phrase = f" + {phrase_tokens} phrase tokens" if phrase_tokens else ""
             _fail(
                 "trainer.micro_batch_tokens",
                 f"{self.trainer.micro_batch_tokens} cannot hold the longest sequence a rollout makes: "
-                f"max_prompt_tokens + max_thinking_tokens + answer_tokens = {longest} tokens "
-                f"({padded} padded to a multiple of {p.pad_multiple}), plus the interruption phrase",
+                f"max_prompt_tokens + max_thinking_tokens + answer_tokens{phrase} = {longest} tokens "
+                f"({padded} padded to a multiple of {p.pad_multiple})"
+                + ("" if phrase_tokens else ", plus the interruption phrase"),
             )
 
     @property

@@ -125,6 +125,7 @@ async def _train(run: RunConfig) -> Path:
             tokenizer(phrase if phrase.startswith(" ") else " " + phrase, add_special_tokens=False)["input_ids"]
         ),
     )
+    run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
 
     if not ray.is_initialized():
         # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already

@@ -1,5 +1,6 @@
 """Config loading, overrides, validation messages, and the no-heavy-imports rule."""
 
+import dataclasses
 import subprocess
 import sys
 
@@ -106,6 +107,26 @@ def test_parallel_layout_checked_against_the_model():
         load_config("scalerl", "tiny_moe", ["parallel.tp=2"])
     ok = load_config("scalerl", "tiny_moe", ["parallel.tp=1", "parallel.ep=2", "parallel.trainer_devices=2"])
     assert ok.parallel.dp == 2
+
+
+def test_row_budget_counts_the_interruption_phrase_and_sp_padding_at_start():
+    run = load_config("scalerl", "llama4_scout_17bx16e", ["trainer.micro_batch_tokens=16400"])
+    run.check_row_budget(phrase_tokens=16)  # 16,400 tokens: fits exactly (a multiple of TP 4)
+    with pytest.raises(
+        ConfigError, match=r"answer_tokens \+ 17 phrase tokens = 16401 tokens \(16404 padded to a multiple of 4\)"
+    ):
+        run.check_row_budget(phrase_tokens=17)
+    assert load_config("scalerl", "tiny_dense").trainer.micro_batch_tokens >= 16384 + 20  # ScaleRL's row fits
+
+
+def test_gpu_kernels_follow_transformer_engine_unless_forced():
+    from megatron_rl.config import PerformanceConfig, TrainerConfig
+    from megatron_rl.trainer.model import performance_settings
+
+    local = performance_settings(TrainerConfig(layer_spec="local"))
+    assert set(local) == {f.name for f in dataclasses.fields(PerformanceConfig)} and not any(local.values())
+    forced = TrainerConfig(layer_spec="local", performance=PerformanceConfig(moe_grouped_gemm=True))
+    assert performance_settings(forced)["moe_grouped_gemm"] is True
 
 
 def test_recompute_module_megatron_cannot_run_on_cpu_is_refused_at_start():
