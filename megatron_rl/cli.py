@@ -2,6 +2,8 @@
 
     megatron-rl recipes                              list the recipes and what each changes
     megatron-rl check --recipe R [--model M] [k=v]   resolve and validate a run config, print the plan
+    megatron-rl plan --recipe R [--model M] [--allocation NxG] [k=v]
+                                                     memory per trainer GPU and engine; refuses what won't fit
     megatron-rl train --recipe R [--model M] [k=v]   run (or resume) a ScaleRL training run
     megatron-rl fit RUNS.jsonl ... [options]         fit / predict / compare scaling curves
     megatron-rl convert --from-hf | --to-hf ...      Hugging Face <-> Megatron checkpoints
@@ -58,6 +60,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     if args.allocation:
         check_allocation(config, args.allocation)
+        check_memory(config)
     if args.write:
         from megatron_rl.config import save_config
 
@@ -85,8 +88,18 @@ def check_allocation(config: Any, allocation: str) -> None:
             f"needs {trainer} trainer + {generators} generator GPUs = {trainer + generators}, "
             f"allocation has {nodes} x {per_node} = {total}"
         )
-    if engine.tp > per_node:
-        problems.append(f"rollout.engine.tp={engine.tp} exceeds the {per_node} GPUs of one node")
+    if engine.tp > per_node or per_node % engine.tp:
+        problems.append(f"rollout.engine.tp={engine.tp} must divide the {per_node} GPUs of a node")
+    if parallel.tp > per_node:
+        problems.append(f"parallel.tp={parallel.tp} exceeds the {per_node} GPUs of one node (a TP group in one node)")
+    if trainer > per_node and trainer % per_node:
+        problems.append(f"parallel.trainer_devices={trainer} must fill whole nodes of {per_node} GPUs")
+    nodes_needed = -(-trainer // per_node) + -(-generators // per_node)
+    if nodes_needed > nodes:
+        problems.append(
+            f"the trainer's {-(-trainer // per_node)} node(s) and the engines' {-(-generators // per_node)} need "
+            f"{nodes_needed} nodes, the allocation has {nodes}"
+        )
     if problems:
         raise ConfigError("allocation: " + "; ".join(problems))
     print(
@@ -94,6 +107,28 @@ def check_allocation(config: Any, allocation: str) -> None:
         f"x DP {parallel.dp}, EP {parallel.ep}) + {generators} generate ({engine.num_engines} x TP {engine.tp}), "
         f"{total - trainer - generators} idle"
     )
+
+
+def check_memory(config: Any) -> None:
+    """The memory plan of a GPU run (megatron_rl/plan.py): print it, refuse one that does not fit."""
+    if config.compute.device_kind != "gpu":
+        return
+    from megatron_rl.plan import format_plan, make_plan
+
+    plan = make_plan(config)
+    print(format_plan(plan))
+    if not plan.fits:
+        raise ConfigError("memory plan: " + "; ".join(plan.problems))
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    config = load_config(args.recipe, args.model, args.overrides)
+    if args.allocation:
+        check_allocation(config, args.allocation)
+    if config.compute.device_kind != "gpu":
+        raise ConfigError("compute.device_kind: the memory plan is for GPU runs (this run counts CPU cores)")
+    check_memory(config)
+    return 0
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -136,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--write", action="store_true", help="write the resolved config into the run directory")
     check.add_argument("--allocation", help="NODESxGPUS_PER_NODE: check the GPU split fits (Slurm launch)")
     check.set_defaults(func=_cmd_check)
+    plan = sub.add_parser("plan", help="memory per trainer GPU and engine against the device; refuse what won't fit")
+    _add_run_args(plan)
+    plan.add_argument("--allocation", help="NODESxGPUS_PER_NODE: also check the GPU split against it")
+    plan.set_defaults(func=_cmd_plan)
     run = sub.add_parser("train", help="run (or resume) a ScaleRL training run")
     _add_run_args(run)
     run.set_defaults(func=_cmd_train)

@@ -622,6 +622,8 @@ class ComputeConfig:
     device_kind: Literal["gpu", "cpu_core"] = "gpu"
     generator_devices: int | None = None
     """Devices the generators use; null = engine.num_engines * engine.tp."""
+    device_memory_gib: float = 79.6
+    """Usable memory of one GPU in GiB, for the memory plan (`megatron-rl plan`): H100 80GB reports 81,559 MiB."""
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 #
 #   RECIPE=scalerl MODEL=llama3_8b OVERRIDES="rollout.k=4" sbatch slurm/bootstrap.sh
 #
-# 1. checks the recipe's GPU split against the allocation (`megatron-rl check --allocation`), before
+# 1. checks the recipe's GPU split and memory plan against the allocation (`megatron-rl check --allocation`,
+#    which runs `megatron-rl plan`: per-GPU memory of every trainer stage and engine), before
 #    anything starts;
 # 2. starts the Ray head on the first node and a Ray worker on every other node (srun, one task per node),
 #    and waits until the cluster has every node;

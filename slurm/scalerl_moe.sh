@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# ScaleRL on Llama-4 Scout (17Bx16 MoE): the paper's split, 64 generator GPUs + 16 trainer GPUs per run
-# (model_configs/llama4_scout_17bx16e.yaml: trainer TP 4 x EP 8 with sequence parallel on 16 GPUs; 16 SGLang
-# engines of TP 4). 10 nodes x 8 GPUs.
+# ScaleRL on Llama-4 Scout (17Bx16 MoE): 64 trainer GPUs + 64 generator GPUs per run
+# (model_configs/llama4_scout_17bx16e.yaml: trainer TP 4 with sequence parallel x DP 16, experts EP 16 x expert
+# DP 4, full recompute; 8 SGLang engines of TP 8). 16 nodes x 8 GPUs. The paper's 16 trainer GPUs cannot hold
+# Scout's weights, fp32 gradients and Adam states (165 GiB per GPU; `megatron-rl plan --model
+# llama4_scout_17bx16e` prints the arithmetic).
 #
 #   sbatch slurm/scalerl_moe.sh                                     # the recipe as it is
 #   OVERRIDES="rollout.k=4 total_steps=5000" sbatch slurm/scalerl_moe.sh
 #
 # Site set-up (modules, container, venv): export MRL_SETUP=/path/to/setup.sh before sbatch (see README).
 #SBATCH --job-name=scalerl-moe
-#SBATCH --nodes=10
+#SBATCH --nodes=16
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
 #SBATCH --cpus-per-task=96

@@ -144,9 +144,9 @@ def test_recompute_module_megatron_cannot_run_on_cpu_is_refused_at_start():
 
 def test_model_layout_sets_the_split_unless_overridden():
     c = load_config("scalerl", "llama4_scout_17bx16e")
-    assert (c.parallel.tp, c.parallel.ep, c.parallel.sequence_parallel, c.parallel.trainer_devices) == (4, 8, True, 16)
-    assert c.rollout.engine.tp == 4 and c.rollout.engine.num_engines * c.rollout.engine.tp == 64
-    assert (c.parallel.etp, c.parallel.expert_dp(True), c.trainer.recompute.granularity) == (1, 2, "full")
+    assert (c.parallel.tp, c.parallel.ep, c.parallel.sequence_parallel, c.parallel.trainer_devices) == (4, 16, True, 64)
+    assert c.rollout.engine.tp == 8 and c.rollout.engine.num_engines * c.rollout.engine.tp == 64
+    assert (c.parallel.etp, c.parallel.expert_dp(True), c.trainer.recompute.granularity) == (1, 4, "full")
     no_recompute = load_config("scalerl", "llama4_scout_17bx16e", ["trainer.recompute.granularity=none"])
     assert no_recompute.trainer.recompute.granularity == "none"
     assert load_config("scalerl", "llama3_8b", ["parallel.tp=4"]).parallel.tp == 4

@@ -1,0 +1,425 @@
+"""The memory plan of a run: what each trainer rank and each engine holds, against the device, before launch.
+
+    plan = make_plan(run)          # run: a RunConfig; builds the real model on the meta device per pipeline stage
+    print(format_plan(plan))       # the table; plan.fits, plan.problems, plan.suggestions
+
+Trainer rank (one row per pipeline stage: the TP/EP/DP ranks of a stage hold the same amounts). Parameter
+counts are exact: megatron's own GPTModel is built on the meta device while this process acts as the stage's
+first rank of the full world under torch's fake process-group backend, so every TP/EP shard is megatron's.
+
+    weights      params_dtype bytes per local parameter (4 for the fp32 LM head)
+    gradients    4 B per local parameter (megatron's fp32 main_grad buffers: grad_reduce_in_fp32)
+    optimizer    fp32 main parameters (bf16 runs) + Adam m and v: 12 B per parameter (8 for fp32 runs), divided
+                 by DP for dense parameters and by expert-DP for expert parameters with the distributed
+                 optimizer (megatron-LM's theoretical count: 6 + 12/dp bytes per parameter for bf16)
+    activations  tensors saved for backward of the longest row (`trainer.micro_batch_tokens` tokens), per layer
+                 by `layer_activation_bytes`, times the layers holding them under `trainer.recompute`, times
+                 the micro-batches in flight (1F1B: pp on the first stage)
+    log-probs    the fp32 head path: fp32 hidden states of the row and their gradient, the logits chunks
+    reserve      CUDA context, NCCL buffers, allocator fragmentation: RESERVE_GIB (ours)
+
+Engine: bf16 weights at the engine's TP, plus the KV pool SGLang carves out of `mem_fraction` of the device;
+the plan requires room for at least one longest sequence and reports how many the pool holds against the
+sequences the pipeline keeps in flight per engine.
+
+The activation count is the bookkeeping of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", Sec. 4) with switches for what these models do differently: gated MLPs (SwiGLU),
+grouped-query attention, flash attention (no s x s scores), no dropout, MoE. With the paper's settings (GELU,
+MHA, 4h MLP, dropout, unfused attention) it gives their 34sbh + 5as^2b per layer exactly
+(tests/unit/test_plan.py). MoE layers assume balanced routing times EXPERT_LOAD_FACTOR (ours): dropless
+routing lets a rank receive more than its share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+from megatron_rl.config import ConfigError, ModelConfig, RunConfig, apply_overrides, build, to_dict
+
+GIB = float(1 << 30)
+RESERVE_GIB = 3.0
+"""(ours) CUDA context (~0.5 GiB), NCCL communicators and buffers (~1-2 GiB), allocator fragmentation."""
+EXPERT_LOAD_FACTOR = 1.5
+"""(ours) Tokens an expert-parallel rank processes relative to a perfectly balanced share (dropless routing)."""
+ENGINE_RESERVE_GIB = 4.0
+"""(ours) What an SGLang engine needs outside its static pool: CUDA graphs, sampling buffers, activations."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Activations (pure arithmetic)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What one transformer layer saves for backward depends on (per micro-batch of `tokens`, batch 1)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    gated: bool = True
+    flash: bool = True
+    """Fused/flash attention: no [heads, s, s] scores are kept (TE's attention, torch's SDPA)."""
+    dropout: bool = False
+    moe_experts: int = 0
+    """Routed experts (0 = a dense MLP)."""
+    moe_topk: int = 1
+    moe_ffn: int = 0
+    moe_shared_ffn: int = 0
+
+
+def layer_activation_bytes(
+    shape: LayerShape, tokens: int, tp: int = 1, sp: bool = False, etp: int = 1, recompute_modules: tuple = ()
+) -> float:
+    """Bytes saved for backward by one layer on one rank (bf16 activations, fp32 router and softmax stats).
+
+    Sequence parallel divides what lives outside the TP region (norm inputs, the inputs of the first linear
+    layers, dropout masks) by tp; tensors inside it (q, k, v, attention output, MLP intermediates) are /tp
+    either way. `recompute_modules` (selective recompute) drops what megatron recomputes instead of saving.
+    """
+    s, h, b = float(tokens), float(shape.hidden), 2.0
+    outside = tp if sp else 1
+    q_width, kv_width = shape.heads * shape.head_dim / tp, shape.kv_heads * shape.head_dim / tp
+    saved = 0.0
+    # Attention block: norm input, QKV input (the norm's output), q, k, v, attention output (= proj input).
+    saved += b * s * h / outside * (1 if "layernorm" in recompute_modules else 2)
+    saved += b * s * (q_width + 2 * kv_width)
+    if shape.flash:
+        saved += b * s * q_width + 4.0 * s * shape.heads / tp  # output + fp32 log-sum-exp per head
+    else:
+        scores = s * s * shape.heads / tp
+        if "core_attn" not in recompute_modules:
+            saved += b * scores + ((1.0 + b) * scores if shape.dropout else 0.0)  # softmax; dropout mask + output
+        saved += b * s * q_width
+    saved += (s * h / outside) if shape.dropout else 0.0
+    # MLP block: norm input, fc1 input (the norm's output).
+    saved += b * s * h / outside * (1 if "layernorm" in recompute_modules else 2)
+    saved += (s * h / outside) if shape.dropout else 0.0
+    if shape.moe_experts == 0:
+        if "mlp" not in recompute_modules:
+            saved += b * s * shape.ffn * (2 if shape.gated else 1) / tp + b * s * shape.ffn / tp
+        return saved
+    local = s / outside  # tokens this rank routes
+    saved += 2 * 4.0 * local * shape.moe_experts  # fp32 router logits and probabilities
+    if "moe" not in recompute_modules:
+        routed = local * shape.moe_topk * EXPERT_LOAD_FACTOR * etp  # tokens this rank's expert shards process
+        saved += 2 * b * routed * h  # permuted expert input, expert output before the weighted combine
+        saved += b * routed * shape.moe_ffn * (2 if shape.gated else 1) / etp
+        saved += 0.0 if "moe_act" in recompute_modules else b * routed * shape.moe_ffn / etp
+    if shape.moe_shared_ffn and "shared_experts" not in recompute_modules:
+        saved += b * s * shape.moe_shared_ffn * (2 if shape.gated else 1) / tp + b * s * shape.moe_shared_ffn / tp
+    return saved
+
+
+def layer_shapes(model: ModelConfig) -> list[LayerShape]:
+    """One LayerShape per layer of `model` (MoE layers every `moe.layer_freq`)."""
+    dense = LayerShape(model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim,
+                       model.ffn_hidden_size)  # fmt: skip
+    if not model.is_moe:
+        return [dense] * model.num_layers
+    assert model.moe.num_experts is not None
+    moe = dataclasses.replace(
+        dense,
+        moe_experts=model.moe.num_experts,
+        moe_topk=model.moe.router_topk,
+        moe_ffn=model.moe.ffn_hidden_size or model.ffn_hidden_size,
+        moe_shared_ffn=model.moe.shared_expert_ffn_hidden_size or 0,
+    )
+    return [moe if (i + 1) % model.moe.layer_freq == 0 else dense for i in range(model.num_layers)]
+
+
+def stage_activation_bytes(run: RunConfig, stage: int) -> float:
+    """Activations pipeline stage `stage` holds at its peak, for a row of `micro_batch_tokens` tokens."""
+    p, rc = run.parallel, run.trainer.recompute
+    per_stage = run.model.num_layers // p.pp
+    shapes = layer_shapes(run.model)[stage * per_stage : (stage + 1) * per_stage]
+    tokens = run.trainer.micro_batch_tokens
+    etp = p.expert_tp(run.model.is_moe)
+    modules = tuple(rc.modules) if rc.granularity == "selective" else ()
+    full = [layer_activation_bytes(s, tokens, p.tp, p.sequence_parallel, etp, modules) for s in shapes]
+    layer_input = 2.0 * tokens * run.model.hidden_size / (p.tp if p.sequence_parallel else 1)
+    if rc.granularity != "full":
+        held = sum(full)
+    elif rc.method == "uniform":  # each group of num_layers keeps its input; backward rebuilds one group at a time
+        groups = math.ceil(per_stage / rc.num_layers)
+        held = groups * layer_input + max(sum(full[i : i + rc.num_layers]) for i in range(0, per_stage, rc.num_layers))
+    else:  # block: the first num_layers layers keep only their input, the rest everything
+        n = min(rc.num_layers, per_stage)
+        held = n * layer_input + sum(full[n:]) + (max(full[:n]) if n else 0.0)
+    in_flight = p.pp - stage  # 1F1B: stage i holds pp - i micro-batches' activations after the warm-up
+    return held * in_flight
+
+
+def logprob_bytes(run: RunConfig, vocab_per_rank: int) -> float:
+    """The fp32 head path on the last stage: gathered hidden states and their gradient, logits chunks."""
+    tokens, h = run.trainer.micro_batch_tokens, run.model.hidden_size
+    chunk_tokens = max(1, (run.trainer.logprob_chunk_mib << 20) // (4 * vocab_per_rank))
+    return 2 * 4.0 * tokens * h + 3 * 4.0 * chunk_tokens * vocab_per_rank
+
+
+# --------------------------------------------------------------------------------------------------
+# Parameters per rank (megatron's model on the meta device, as one rank of the full world)
+
+
+def _quiet_megatron() -> None:
+    """megatron-core warns at import and construction (no TE/Apex, deprecations); the plan is a table."""
+    import logging
+    import warnings
+
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+    logging.getLogger("megatron").setLevel(logging.ERROR)
+
+
+@dataclass
+class StageParameters:
+    dense: int
+    """Non-expert parameters on one rank of the stage (replicated over DP)."""
+    expert: int
+    """Expert parameters on one rank (replicated over expert-DP)."""
+    fp32: int
+    """Parameters kept in fp32 whatever params_dtype is (the fp32 LM head)."""
+    vocab_per_rank: int
+    last: bool
+
+
+def stage_parameters(run: RunConfig, stage: int) -> StageParameters:
+    """Exact parameter counts of pipeline stage `stage`'s first rank: megatron builds it on the meta device."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from megatron_rl.trainer import cpu_compat
+    from megatron_rl.trainer.model import build_model, output_weight
+
+    cpu_compat.apply()  # megatron's CUDA-only constructors (MoE dispatcher streams) on a machine without CUDA
+    _quiet_megatron()
+    p = run.parallel
+    if dist.is_initialized():
+        raise RuntimeError("megatron_rl.plan: needs a process without a process group (it forms fake ones)")
+    first_rank = stage * (p.trainer_devices // p.pp)  # megatron's order tp-cp-ep-dp-pp: pp outermost
+    dist.init_process_group("fake", store=FakeStore(), rank=first_rank, world_size=p.trainer_devices)
+    try:
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp,
+            pipeline_model_parallel_size=p.pp,
+            expert_model_parallel_size=p.ep,
+            expert_tensor_parallel_size=p.expert_tp(run.model.is_moe),
+            create_gloo_process_groups=False,
+        )
+        with torch.device("meta"):
+            model = build_model(run.model, p, run.trainer, initialize=False)
+        dense = expert = fp32 = 0
+        for param in model.parameters():
+            if getattr(param, "allreduce", True):
+                dense += param.numel()
+            else:
+                expert += param.numel()
+            fp32 += param.numel() if param.dtype == torch.float32 and run.trainer.params_dtype != "fp32" else 0
+        vocab = int(output_weight(model).shape[0]) if model.post_process else 0
+        return StageParameters(dense, expert, fp32, vocab, bool(model.post_process))
+    finally:
+        from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
+
+        destroy_moe_metrics_tracker()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# The plan
+
+
+@dataclass
+class RankMemory:
+    stage: int
+    dense_params: int
+    expert_params: int
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    logprobs: float
+    reserve: float = RESERVE_GIB * GIB
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logprobs + self.reserve
+
+
+@dataclass
+class EngineMemory:
+    weights: float
+    kv_per_token: float
+    pool: float
+    """Bytes SGLang can give the KV cache: mem_fraction x device - weights."""
+    longest: int
+    in_flight: float
+    """Sequences the pipeline keeps in flight per engine."""
+
+    @property
+    def pool_sequences(self) -> float:
+        return self.pool / (self.kv_per_token * self.longest)
+
+
+@dataclass
+class Plan:
+    run: RunConfig
+    device: float
+    ranks: list[RankMemory]
+    engine: EngineMemory | None
+    problems: list[str] = field(default_factory=list)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+
+def rank_memory(run: RunConfig, stage: int, params: StageParameters) -> RankMemory:
+    p, moe = run.parallel, run.model.is_moe
+    body = 2.0 if run.trainer.params_dtype == "bf16" else 4.0
+    local = params.dense + params.expert
+    weights = body * (local - params.fp32) + 4.0 * params.fp32
+    main_and_adam = 12.0 if run.trainer.params_dtype == "bf16" else 8.0
+    if p.distributed_optimizer:
+        optimizer = main_and_adam * (params.dense / p.dp + params.expert / p.expert_dp(moe))
+    else:
+        optimizer = main_and_adam * local
+    return RankMemory(
+        stage=stage,
+        dense_params=params.dense,
+        expert_params=params.expert,
+        weights=weights,
+        gradients=4.0 * local,
+        optimizer=optimizer,
+        activations=stage_activation_bytes(run, stage),
+        logprobs=logprob_bytes(run, params.vocab_per_rank) if params.last else 0.0,
+    )
+
+
+def engine_memory(run: RunConfig, total_params: int, device: float) -> EngineMemory | None:
+    engine, m = run.rollout.engine, run.model
+    if engine.device != "cuda":
+        return None
+    weights = 2.0 * total_params / engine.tp
+    kv_heads = max(1, m.num_query_groups // engine.tp)  # SGLang replicates KV heads when tp > groups
+    kv_per_token = 2 * 2.0 * m.num_layers * kv_heads * m.head_dim
+    r = run.rollout
+    longest = r.max_prompt_tokens + r.interruption.max_thinking_tokens + r.answer_tokens
+    groups = r.k * r.prompts_per_step if r.mode == "ppo_off_policy" else 2 * r.prompts_per_step
+    in_flight = groups * r.generations_per_prompt / engine.num_engines
+    return EngineMemory(weights, kv_per_token, engine.mem_fraction * device - weights, longest, in_flight)
+
+
+def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
+    """The memory plan of `run`; with `suggest`, the smallest layout changes that make a refused plan fit."""
+    device = run.compute.device_memory_gib * GIB
+    stages = [stage_parameters(run, s) for s in range(run.parallel.pp)]
+    ranks = [rank_memory(run, s, params) for s, params in enumerate(stages)]
+    total_params = _total_parameters(run, stages)
+    engine = engine_memory(run, total_params, device)
+    plan = Plan(run, device, ranks, engine)
+    for rank in ranks:
+        if rank.total > device:
+            plan.problems.append(
+                f"trainer stage {rank.stage}: {rank.total / GIB:.1f} GiB per GPU > {device / GIB:.1f} GiB "
+                f"(weights {rank.weights / GIB:.1f} + gradients {rank.gradients / GIB:.1f} + optimizer "
+                f"{rank.optimizer / GIB:.1f} + activations {rank.activations / GIB:.1f} + log-probs "
+                f"{rank.logprobs / GIB:.1f} + reserve {rank.reserve / GIB:.1f})"
+            )
+    if engine is not None:
+        need = engine.kv_per_token * engine.longest
+        if engine.pool < need or engine.weights + ENGINE_RESERVE_GIB * GIB > device:
+            plan.problems.append(
+                f"engine (TP {run.rollout.engine.tp}): weights {engine.weights / GIB:.1f} GiB leave "
+                f"{max(engine.pool, 0) / GIB:.1f} GiB of rollout.engine.mem_fraction={run.rollout.engine.mem_fraction} "
+                f"x {device / GIB:.1f} GiB for the KV cache; one {engine.longest}-token sequence needs "
+                f"{need / GIB:.2f} GiB"
+            )
+    if plan.problems and suggest:
+        plan.suggestions = suggestions(run)
+    return plan
+
+
+def _total_parameters(run: RunConfig, stages: list[StageParameters]) -> int:
+    """All parameters of the model, from the per-rank shards (for the engines' weights)."""
+    p, moe = run.parallel, run.model.is_moe
+    dense = sum(s.dense for s in stages) * p.tp  # TP shards (norms are replicated: a slight overcount)
+    expert = sum(s.expert for s in stages) * p.ep * p.expert_tp(moe)
+    return dense + expert
+
+
+def _candidates(run: RunConfig) -> list[tuple[str, list[str]]]:
+    p, m = run.parallel, run.model
+    out: list[tuple[str, list[str]]] = []
+    if run.trainer.recompute.granularity != "full":
+        out.append(("full recompute", ["trainer.recompute.granularity=full", "trainer.recompute.method=uniform",
+                                       "trainer.recompute.num_layers=1"]))  # fmt: skip
+    for devices in (p.trainer_devices * 2, p.trainer_devices * 4):
+        out.append((f"{devices} trainer GPUs", [f"parallel.trainer_devices={devices}"]))
+        if m.is_moe and m.moe.num_experts and p.ep * 2 <= m.moe.num_experts:
+            out.append((f"{devices} trainer GPUs, EP {p.ep * 2}", [f"parallel.trainer_devices={devices}",
+                                                                  f"parallel.ep={p.ep * 2}"]))  # fmt: skip
+        if m.is_moe:
+            etp = p.expert_tp(True) * 2
+            out.append((f"{devices} trainer GPUs, expert TP {etp}", [f"parallel.trainer_devices={devices}",
+                                                                    f"parallel.etp={etp}"]))  # fmt: skip
+    out.append((f"TP {p.tp * 2} + SP", [f"parallel.tp={p.tp * 2}", "parallel.sequence_parallel=true"]))
+    out.append((f"PP {p.pp * 2}", [f"parallel.pp={p.pp * 2}"]))
+    if m.is_moe and m.moe.num_experts and p.ep * 2 <= m.moe.num_experts:
+        out.append((f"EP {p.ep * 2}", [f"parallel.ep={p.ep * 2}"]))
+    return out
+
+
+def suggestions(run: RunConfig, limit: int = 3) -> list[str]:
+    """Layout changes (one step each, plus full recompute) that make the plan fit, fewest GPUs first."""
+    fitting: list[tuple[int, int, str]] = []
+    base = to_dict(run)
+    for index, (label, overrides) in enumerate(_candidates(run)):
+        try:
+            candidate = build(RunConfig, apply_overrides(base, overrides))
+        except ConfigError:
+            continue  # not a layout megatron can form for this model
+        plan = make_plan(candidate, suggest=False)
+        if plan.fits:
+            peak = max(r.total for r in plan.ranks)
+            text = f"{label} ({' '.join(overrides)}): {peak / GIB:.1f} GiB"
+            fitting.append((candidate.parallel.trainer_devices, index, text))
+    return [text for _, _, text in sorted(fitting)[:limit]]
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table: one row per trainer stage and one for the engines, in GiB."""
+    run, p = plan.run, plan.run.parallel
+    lines = [
+        f"memory plan: {run.model.name} on {p.trainer_devices} trainer GPUs (TP {p.tp} x PP {p.pp} x DP {p.dp}; "
+        f"EP {p.ep} x ETP {p.expert_tp(run.model.is_moe)} x EDP {p.expert_dp(run.model.is_moe)}), "
+        f"recompute {run.trainer.recompute.granularity}, SP {'on' if p.sequence_parallel else 'off'}, "
+        f"rows of {run.trainer.micro_batch_tokens} tokens; device {plan.device / GIB:.1f} GiB",
+        f"{'':14}{'params':>9}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'logp':>7}{'rsrv':>7}{'total':>8}",
+    ]
+    for r in plan.ranks:
+        params = (r.dense_params + r.expert_params) / 1e9
+        lines.append(
+            f"trainer PP{r.stage:<6}{params:>8.2f}B{r.weights / GIB:>9.1f}{r.gradients / GIB:>8.1f}"
+            f"{r.optimizer / GIB:>8.1f}{r.activations / GIB:>8.1f}{r.logprobs / GIB:>7.1f}{r.reserve / GIB:>7.1f}"
+            f"{r.total / GIB:>8.1f}"
+        )
+    if plan.engine is not None:
+        e, engine = plan.engine, run.rollout.engine
+        lines.append(
+            f"engine TP{engine.tp:<5}{'':>9}{e.weights / GIB:>9.1f}   KV pool {max(e.pool, 0) / GIB:.1f} GiB "
+            f"(mem_fraction {engine.mem_fraction}): {e.pool_sequences:.0f} sequences of {e.longest} tokens "
+            f"for {e.in_flight:.0f} in flight per engine"
+        )
+    if plan.fits:
+        lines.append("plan: fits")
+    else:
+        lines += [f"plan: does not fit: {problem}" for problem in plan.problems]
+        lines += [f"  fits with: {s}" for s in plan.suggestions] or ["  no single layout change makes it fit"]
+    return "\n".join(lines)

@@ -1,0 +1,91 @@
+"""`megatron-rl plan` on the shipped model configs at full size: real megatron models on the meta device under
+a fake process group of the full world size, against the device, the Slurm allocation and published layouts."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def _plan(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "plan", *args], capture_output=True, text=True, env=env, timeout=600
+    )
+
+
+def _total(out: str) -> float:
+    return float(re.search(r"trainer PP0 .* (\d+\.\d)\n", out).group(1))
+
+
+@pytest.mark.parametrize("script", ["scalerl_moe.sh", "scalerl_dense.sh"])
+def test_slurm_scripts_fit_their_allocation(script):
+    text = (ROOT / "slurm" / script).read_text()
+    nodes = re.search(r"#SBATCH --nodes=(\d+)", text).group(1)
+    model = re.search(r"MODEL=\$\{MODEL:-(\w+)\}", text).group(1)
+    result = _plan("--model", model, "--allocation", f"{nodes}x8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "plan: fits" in result.stdout and "allocation:" in result.stdout
+
+
+@pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_30b_a3b", "qwen3_4b"])
+def test_every_shipped_layout_fits_its_device(model):
+    result = _plan("--model", model)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _total(result.stdout) < 79.6
+
+
+def test_scout_on_the_papers_16_trainer_gpus_is_refused_with_the_numbers_and_what_fits():
+    """18 B per parameter before activations: Scout's weights, fp32 gradients and Adam states need more than
+    16 H100s hold. The refusal says how much and which one-step changes fit."""
+    result = _plan("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "parallel.ep=8")
+    assert result.returncode == 2
+    assert re.search(r"does not fit: trainer stage 0: 1\d\d\.\d GiB per GPU > 79\.6 GiB", result.stdout)
+    assert "fits with: 64 trainer GPUs" in result.stdout
+    assert "memory plan" in result.stderr  # the CLI's one-line refusal
+
+
+def test_published_layouts_fit_and_an_undersized_one_is_refused():
+    # NeMo-RL's Qwen3-30B-A3B CISPO recipe (2 nodes x 8 H100: TP 2 + SP, EP 8, 4,096-token packed rows).
+    nemo_rl = ["parallel.trainer_devices=16", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=8"]
+    nemo_rl += ["trainer.micro_batch_tokens=4096", "rollout.max_prompt_tokens=1024", "rollout.answer_tokens=1024"]
+    nemo_rl += ["rollout.interruption.min_thinking_tokens=2048", "rollout.interruption.max_thinking_tokens=2048"]
+    nemo_rl += ["trainer.recompute.granularity=none"]
+    fits = _plan("--model", "qwen3_30b_a3b", *nemo_rl)
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    # Deliberately undersized: Qwen3-30B-A3B on 4 H100s (EP 4) holds 7.6B expert parameters per GPU at 18 B each.
+    refused = _plan("--model", "qwen3_30b_a3b", "parallel.trainer_devices=4", "parallel.ep=4")
+    assert refused.returncode == 2 and "does not fit" in refused.stdout
+    assert "fits with:" in refused.stdout
+
+
+def test_a_bad_allocation_or_a_device_nothing_fits_is_refused_before_anything_starts():
+    short = _plan("--model", "llama3_8b", "--allocation", "9x8")
+    assert short.returncode == 2
+    assert "needs 16 trainer + 64 generator GPUs = 80, allocation has 9 x 8 = 72" in short.stderr
+    tiny = _plan("--model", "llama3_8b", "compute.device_memory_gib=8")
+    assert tiny.returncode == 2 and "> 8.0 GiB" in tiny.stdout
+
+
+def test_llama3_8b_shard_matches_megatron_lm_theoretical_weights_and_optimizer():
+    """Megatron-LM's theoretical memory accounting: the most loaded TP shard holds (layers + 2 V h) / tp
+    parameters (GQA and SwiGLU in its layer formula) and needs 6 + 12 / dp bytes each with the distributed
+    optimizer; ours is exact from the model plus 2 B more per fp32 LM-head parameter."""
+    result = _plan("--model", "llama3_8b")
+    assert result.returncode == 0, result.stdout + result.stderr
+    row = re.search(r"trainer PP0 +([\d.]+)B +([\d.]+) +([\d.]+) +([\d.]+)", result.stdout)
+    params, weights, grads, optim = (float(x) for x in row.groups())
+    layers, h, ffn, vocab, heads, groups, tp, dp = 32, 4096, 14336, 128256, 32, 8, 2, 8
+    per_layer = 2 * h * h * ((1 + groups / heads) + ffn / h * 3 / 2 + 2 / h + 1 / (layers * h))
+    shard = (layers * per_layer + 2 * vocab * h) / tp
+    assert params * 1e9 == pytest.approx(shard, rel=5e-3)
+    head_extra = 2.0 * vocab * h / tp  # the fp32 LM head: 4 B instead of 2
+    expected = (shard * (6 + 12 / dp) + head_extra) / 2**30
+    assert weights + grads + optim == pytest.approx(expected, rel=2e-2)

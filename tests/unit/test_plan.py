@@ -1,0 +1,68 @@
+"""The memory plan's arithmetic against independent formulas: Korthikanti et al. 2022 for activations,
+Megatron-LM's theoretical memory accounting (selective recompute; 6 + 12/dp bytes per parameter)."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_rl.plan import LayerShape, layer_activation_bytes
+
+S, H, A = 4096, 4096, 32
+
+
+def _gpt3(**kwargs) -> LayerShape:
+    """The paper's GPT layer: MHA, a 4h GELU MLP, dropout, attention scores materialised."""
+    return LayerShape(H, A, A, H // A, 4 * H, gated=False, flash=False, dropout=True, **kwargs)
+
+
+def test_activations_equal_korthikanti_without_parallelism():
+    # Korthikanti et al. 2022, Eq. 1: sbh (34 + 5 a s / h) bytes per layer (b = 1).
+    assert layer_activation_bytes(_gpt3(), S) == S * H * 34 + 5 * A * S * S
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_activations_equal_korthikanti_with_tensor_and_sequence_parallel(tp):
+    # Eq. 2, tensor parallel only: sbh (10 + 24/t + 5 a s / (h t)); Eq. 4, with sequence parallel: sbh/t (34 + 5as/h).
+    tensor = layer_activation_bytes(_gpt3(), S, tp=tp, sp=False)
+    assert tensor == pytest.approx(S * H * (10 + 24 / tp + 5 * A * S / (H * tp)), rel=1e-12)
+    both = layer_activation_bytes(_gpt3(), S, tp=tp, sp=True)
+    assert both == pytest.approx(S * H / tp * (34 + 5 * A * S / H), rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_selective_recompute_equals_megatron_lm_theoretical_activation_memory(tp):
+    # Megatron-LM's theoretical_memory_usage (selective recompute of core attention, sequence parallel):
+    # s b h (18 + 4 ffn / h) / t per layer.
+    got = layer_activation_bytes(_gpt3(), S, tp=tp, sp=tp > 1, recompute_modules=("core_attn",))
+    assert got == pytest.approx(S * H * (18 + 4 * 4 * H / H) / tp, rel=1e-12)
+
+
+def test_our_layers_swiglu_gqa_flash_no_dropout():
+    """Llama-3-8B's layer at one rank of TP 2 + SP, counted by hand from what each op saves."""
+    shape = LayerShape(4096, 32, 8, 128, 14336)
+    s, t = 16384, 2
+    by_hand = (
+        2 * s * 4096 / t * 2  # attention norm input + QKV input (sequence-parallel shards)
+        + 2 * s * (4096 + 2 * 1024) / t  # q, k, v
+        + 2 * s * 4096 / t
+        + 4 * s * 32 / t  # flash output (= projection input), fp32 log-sum-exp
+        + 2 * s * 4096 / t * 2  # MLP norm input + fc1 input
+        + 2 * s * 2 * 14336 / t
+        + 2 * s * 14336 / t  # gate/up output (SwiGLU input), fc2 input
+    )
+    assert layer_activation_bytes(shape, s, tp=t, sp=True) == by_hand
+    recomputed = layer_activation_bytes(shape, s, tp=t, sp=True, recompute_modules=("mlp", "layernorm"))
+    assert by_hand - recomputed == 2 * s * 3 * 14336 / t + 2 * 2 * s * 4096 / t
+
+
+def test_moe_layer_counts_routed_tokens_and_the_shared_expert():
+    dense = LayerShape(1024, 8, 8, 128, 0)
+    moe = LayerShape(1024, 8, 8, 128, 0, moe_experts=16, moe_topk=1, moe_ffn=2048, moe_shared_ffn=2048)
+    s = 1000
+    extra = layer_activation_bytes(moe, s) - layer_activation_bytes(dense, s)
+    routed = s * 1 * 1.5  # EXPERT_LOAD_FACTOR
+    expected = 8 * s * 16 + 2 * 2 * routed * 1024 + 2 * routed * 2048 * 3 + 2 * s * 2048 * 3
+    assert extra == pytest.approx(expected)
+    assert layer_activation_bytes(moe, s, recompute_modules=("moe", "shared_experts")) == pytest.approx(
+        layer_activation_bytes(dense, s) + 8 * s * 16
+    )
