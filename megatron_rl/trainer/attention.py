@@ -192,8 +192,10 @@ class PackedCoreAttention(torch.nn.Module):
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
             if end == start:
                 continue
-            q, k, v = (x[start:end].transpose(0, 1) for x in (query_T, key_T, value_T))  # [heads, len, dim]
-            outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale))
+            # [1, heads, len, dim]: torch's CPU flash kernel takes 4-D inputs only; with 3-D ones SDPA falls
+            # back to its math kernel, which keeps the [heads, len, len] scores (memory O(len^2) again).
+            q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_T, key_T, value_T))
+            outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)[0])
         out_T = torch.cat(outputs, dim=1).transpose(0, 1)  # [tokens, heads, dim]
         return out_T.reshape(out_T.shape[0], -1)
 
