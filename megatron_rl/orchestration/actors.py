@@ -1,11 +1,13 @@
-"""Ray placement: trainer ranks as actors, one per device, driven together by `TrainerGroup`.
+"""Trainer ranks as Ray actors, one per device, driven together by `TrainerGroup`.
 
     group = TrainerGroup(run)            # N actors (N = parallel.trainer_devices), one process group
     await group.call("train_step", groups)   -> rank 0's result
 
 Every trainer collective (train step, weight gathering, checkpointing) needs all ranks at once, so
 `call` invokes the method on every actor and returns rank 0's answer. On a GPU cluster each actor holds
-one GPU (Ray places them on the Slurm-started cluster); on CPU each holds one core.
+one GPU, ranks packed node by node in rank order (orchestration/placement.py); rank 0 hosts the
+rendezvous store of the trainer's process group and of the weight-sync group, on its own node. On CPU each
+actor holds one core.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import RunConfig, build
+from megatron_rl.orchestration.placement import Placed, describe, rank_order, spawn, trainer_placement
 
 
 def _quiet_megatron() -> None:
@@ -30,10 +33,11 @@ def _quiet_megatron() -> None:
     logging.getLogger("megatron").setLevel(logging.ERROR)
 
 
-class TrainerWorker:
-    """One trainer rank inside a Ray actor."""
+class TrainerWorker(Placed):
+    """One trainer rank inside a Ray actor: placed first, then given its rank (`setup`) once all are placed."""
 
-    def __init__(self, run: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+    def setup(self, run: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        """Join the trainer's process group as `rank` and build the model (blocks until every rank joins)."""
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
         )
@@ -47,9 +51,6 @@ class TrainerWorker:
         self.trainer = Trainer(self.run)
         self.rank = rank
         self.sender: Any = None
-
-    def ready(self) -> int:
-        return self.rank
 
     def version(self) -> int:
         return self.trainer.version
@@ -109,15 +110,18 @@ class TrainerGroup:
     def __init__(self, run: RunConfig, run_dict: dict[str, Any]) -> None:
         import ray
 
-        from megatron_rl.trainer.distributed import free_port
+        self.placement = trainer_placement(run)
+        self.workers, self.locations = rank_order(spawn(TrainerWorker, self.placement))
+        # Rank 0 hosts the process group's TCP store: its node's address and a port free there, not the driver's.
+        addr, port = ray.get(self.workers[0].rendezvous.remote())
+        world = len(self.workers)
+        ray.get([w.setup.remote(run_dict, rank, world, addr, port) for rank, w in enumerate(self.workers)])
+        if self.placement.groups:
+            print(f"placement: trainer ranks {describe(self.locations)}; rendezvous {addr}:{port}", flush=True)
 
-        world = run.parallel.trainer_devices
-        gpu = run.compute.device_kind == "gpu"
-        actor = ray.remote(num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)(TrainerWorker)
-        addr = ray.util.get_node_ip_address()
-        port = free_port()
-        self.workers = [actor.remote(run_dict, rank, world, addr, port) for rank in range(world)]
-        ray.get([w.ready.remote() for w in self.workers])
+    async def rendezvous(self) -> tuple[str, int]:
+        """Rank 0's node address and a port free there (rank 0 hosts the weight-sync group's store too)."""
+        return await self.workers[0].rendezvous.remote()
 
     async def call(self, method: str, *args: Any) -> Any:
         results = await asyncio.gather(*(getattr(w, method).remote(*args) for w in self.workers))
@@ -128,3 +132,4 @@ class TrainerGroup:
 
         for worker in self.workers:
             ray.kill(worker)
+        self.placement.remove()

@@ -1,8 +1,9 @@
 """The generator engines of a run: SGLang servers placed by Ray, one client-side balancer in the driver.
 
-Each engine is an `EngineHost` Ray actor that owns one SGLang server process (holding `engine.tp` GPUs
-on a cluster, one core on CPU) and reports its URL; the driver talks to all of them over HTTP through an
-`EngineBalancer`.
+Each engine is an `EngineHost` Ray actor that owns one SGLang server process (holding `engine.tp` GPUs of
+one node on a cluster, reserved by a placement group (orchestration/placement.py); one core on CPU) and
+reports its URL; the driver talks to all of them over HTTP through an `EngineBalancer`. The weight-sync
+group's rendezvous is on trainer rank 0's node, which hosts its store.
 
 A killed engine costs time, not the run:
 - A request whose engine failed waits while the balancer's callback restarts that engine if its process
@@ -30,14 +31,15 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import RunConfig
+from megatron_rl.orchestration.placement import Placed, describe, engine_placement, locations, spawn
 from megatron_rl.rollout.sglang import EngineBalancer, SGLangClient, SGLangServer
 from megatron_rl.sync import SyncError
 
 
-class EngineHost:
+class EngineHost(Placed):
     """One SGLang server inside a Ray actor (so Ray decides which node and GPUs it gets)."""
 
-    def __init__(self, model_path: str, engine: dict[str, Any], log_path: str, max_total_tokens: int | None) -> None:
+    def setup(self, model_path: str, engine: dict[str, Any], log_path: str, max_total_tokens: int | None) -> None:
         import ray
 
         from megatron_rl.config import EngineConfig, build
@@ -76,13 +78,18 @@ class EngineGroup:
 
         self.run = run
         engine = run.rollout.engine
-        cpu = engine.device == "cpu"
-        actor = ray.remote(num_cpus=1 if cpu else 0, num_gpus=0 if cpu else engine.tp)(EngineHost)
-        max_total = 32768 if cpu else None  # CPU: size the KV pool in tokens (no GPU memory fraction)
-        self.hosts = [
-            actor.remote(str(policy), dataclasses.asdict(engine), str(run_dir / "logs" / f"engine{i}.log"), max_total)
-            for i in range(engine.num_engines)
-        ]
+        max_total = 32768 if engine.device == "cpu" else None  # CPU: size the KV pool in tokens (no memory fraction)
+        self.placement = engine_placement(run)
+        self.hosts = spawn(EngineHost, self.placement)
+        config, logs = dataclasses.asdict(engine), run_dir / "logs"
+        ray.get(
+            [
+                h.setup.remote(str(policy), config, str(logs / f"engine{i}.log"), max_total)
+                for i, h in enumerate(self.hosts)
+            ]
+        )
+        if self.placement.groups:
+            print(f"placement: engines {describe(locations(self.hosts))}", flush=True)
         self.devices = engine.num_engines * engine.tp
         self.clients: list[SGLangClient] = []
         self.balancer: EngineBalancer | None = None
@@ -126,13 +133,10 @@ class EngineGroup:
 
     async def connect_weight_sync(self, trainers: Any) -> None:
         """Trainer rank 0 forms a weight-sync process group with every engine."""
-        import ray
-
-        from megatron_rl.trainer.distributed import free_port
-
         self.trainers = trainers
         urls = [c.url for c in self.clients]
-        await trainers.call("init_weight_sync", urls, ray.util.get_node_ip_address(), free_port())
+        addr, port = await trainers.rendezvous()  # rank 0 hosts the group's store: its node, not the driver's
+        await trainers.call("init_weight_sync", urls, addr, port)
 
     async def push_weights(self, trainers: Any, version: int) -> dict[str, float]:
         """Send the trainer's weights (version `version`) to every engine; returns sync/* metrics."""
@@ -174,6 +178,7 @@ class EngineGroup:
         for client in self.clients:
             await client.close()
         await asyncio.gather(*(host.stop.remote() for host in self.hosts), return_exceptions=True)
+        self.placement.remove()  # frees the GPUs (and ends the host actors)
 
 
 def _cause(exc: BaseException) -> str:
