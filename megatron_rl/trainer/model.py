@@ -3,6 +3,12 @@
     model = build_model(run_config)      # after init_distributed(); one pipeline stage's chunk
     config = transformer_config(model_cfg, parallel_cfg, trainer_cfg)
 
+The one place where the GPU and CPU paths differ: the layer spec. Transformer Engine's on CUDA (its
+attention reads packed rows' `cu_seqlens`, its norms and linears fuse), megatron-core's local spec otherwise,
+with its core attention replaced by `trainer/attention.py::PackedCoreAttention` (packed rows, no mask) and its
+norms by `SequenceParallelRMSNorm` (sequence parallel on CPU too). Llama-4's chunk/temperature rules wrap
+either attention. Everything else (packing, process groups, padding, recompute) is shared.
+
 The FP32 LM head (SCALERL.md §3): megatron-core has no switch for it, so the output layer (and the
 embedding when they are tied) is cast to fp32 after construction while the body keeps the configured
 dtype; the log-prob path (logprobs.py) casts the final hidden states to fp32 before the projection.

@@ -317,3 +317,12 @@ def test_trainer_collectives_only_pass_tensors_the_gpu_process_groups_serve(tmp_
         assert "cpu" in used  # on a GPU node these would be the CPU bookkeeping tensors
         assert used <= served_device_types(process_group_backend(cuda=True)), seen
         assert not used <= served_device_types("nccl")  # what an NCCL-only default group would refuse
+
+
+def test_a_sequence_longer_than_a_micro_batch_stops_before_any_collective(tmp_path):
+    spec = {"model": "cpu_demo", "overrides": LR, "batch": {"completion_len": [600, 601]}, "out": str(tmp_path / "x")}
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], env=env, capture_output=True, text=True)
+    assert proc.returncode != 0
+    assert "trainer.micro_batch_tokens: a sequence of" in proc.stdout + proc.stderr
+    assert "does not fit a micro-batch of 512 tokens" in proc.stdout + proc.stderr
