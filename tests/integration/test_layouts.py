@@ -82,11 +82,11 @@ def test_config_validation_accepts_exactly_the_layouts_megatron_forms(tmp_path):
 @pytest.mark.parametrize(
     "overrides, field, numbers",
     [
-        (["parallel.etp=4"], "parallel.etp", "16 is not a multiple of etp x ep x pp = 4 x 8 x 1 = 32"),
-        (["parallel.tp=3"], "parallel.trainer_devices", "16 must be a multiple of tp x pp = 3 x 1"),
+        (["parallel.etp=8"], "parallel.etp", "64 is not a multiple of etp x ep x pp = 8 x 16 x 1 = 128"),
+        (["parallel.tp=3"], "parallel.trainer_devices", "64 must be a multiple of tp x pp = 3 x 1"),
         (["parallel.tp=16", "parallel.trainer_devices=32"], "parallel.tp", "query groups (8), got 16"),
         (["parallel.ep=3"], "parallel.ep", "num_experts=16, got 3"),
-        (["parallel.trainer_devices=12"], "parallel.etp", "12 is not a multiple of etp x ep x pp = 1 x 8 x 1 = 8"),
+        (["parallel.trainer_devices=24"], "parallel.etp", "24 is not a multiple of etp x ep x pp = 1 x 16 x 1 = 16"),
         (["parallel.sequence_parallel=false"], "parallel.sequence_parallel", "MoE with tp > 1"),
     ],
 )
