@@ -26,7 +26,7 @@ The activation count is the bookkeeping of Korthikanti et al. 2022 ("Reducing Ac
 Large Transformer Models", Sec. 4) with switches for what these models do differently: gated MLPs (SwiGLU),
 grouped-query attention, flash attention (no s x s scores), no dropout, MoE. With the paper's settings (GELU,
 MHA, 4h MLP, dropout, unfused attention) it gives their 34sbh + 5as^2b per layer exactly
-(tests/unit/test_plan.py). MoE layers assume balanced routing times EXPERT_LOAD_FACTOR (ours): dropless
+(tests/unit/test_plan_arithmetic.py). MoE layers assume balanced routing times EXPERT_LOAD_FACTOR (ours): dropless
 routing lets a rank receive more than its share.
 """
 
