@@ -35,6 +35,7 @@ pytestmark = pytest.mark.slow
 ENGINE = EngineConfig(device="cpu", dtype="float32", tp=1, fp32_lm_head=True)
 T1 = SamplingConfig(temperature=1.0, top_p=1.0)
 FIXED = {"ignore_eos": True}  # fixed-length answers where a test needs a long running sequence
+IN_FLIGHT_TOKENS = 480
 PROMPTS = [[5, 17, 42, 99], [7, 8, 9], [100, 200, 300, 400, 12], [33]]
 
 # Generator log-probs vs an independent transformers forward on the same tokens (both fp32): measured
@@ -218,8 +219,11 @@ def test_distributed_update_in_flight_changes_weights_versions_and_logprobs(serv
         client = SGLangClient(server.url)
         try:
             await asyncio.to_thread(sender.connect)
-            running = asyncio.create_task(client.generate(PROMPTS[1], 300, [], T1, FIXED))
-            await asyncio.sleep(1.0)  # the sequence is running when the weights change
+            # The sequence is running when the weights change: 480 tokens (the model's 512 positions allow no
+            # more) take well over a second on this engine, and the push pauses it in place until it resumes.
+            # A 1 s head start raced the sequence's end on a quiet machine; 0.3 s still lets it start.
+            running = asyncio.create_task(client.generate(PROMPTS[1], IN_FLIGHT_TOKENS, [], T1, FIXED))
+            await asyncio.sleep(0.3)
             buckets = make_buckets(new.items(), bucket_bytes=1 << 20)  # several buckets
             stats = await asyncio.to_thread(sender.send, buckets, 3)
             in_flight = await running
@@ -247,7 +251,7 @@ def test_distributed_update_in_flight_changes_weights_versions_and_logprobs(serv
     assert torch.equal(lm_head, new["lm_head.weight"][: lm_head.shape[0]])
     # in flight: the running sequence's first tokens came from version 0, the rest from version 3
     versions = in_flight.versions
-    assert len(versions) == 300 and versions[0] == 0 and versions[-1] == 3
+    assert len(versions) == IN_FLIGHT_TOKENS and versions[0] == 0 and versions[-1] == 3
     assert versions == sorted(versions) and set(versions) == {0, 3}
     assert all(v == 3 for s in after for v in s.versions)
     # the engine now samples from the new weights: its log-probs match transformers with those weights
