@@ -76,9 +76,11 @@ def _installed_requirements(name: str, extras: tuple[str, ...] = ()) -> list[Req
     try:
         dist = metadata.distribution(name)
     except metadata.PackageNotFoundError:
-        pytest.skip(f"{name} is not installed here (tools/install.sh installs it)")
+        pytest.fail(f"{name} is not installed here: run tools/install.sh (it installs the locked release)")
     if dist.version != PINS[name]:
-        pytest.skip(f"{name} {dist.version} is installed here, the lock has {PINS[name]}")
+        pytest.fail(
+            f"{name} {dist.version} is installed here, the lock has {PINS[name]}: install.sh and the lock disagree"
+        )
     return [req for req in map(Requirement, dist.requires or []) if _applies(req, extras)]
 
 
@@ -146,7 +148,7 @@ def test_transformer_engine_passes_every_megatron_core_feature_gate():
     try:
         files = metadata.distribution("megatron-core").files or []
     except metadata.PackageNotFoundError:
-        pytest.skip("megatron-core is not installed here")
+        pytest.fail("megatron-core is not installed here: run tools/install.sh")
     gates = set()
     for file in files:
         if file.suffix == ".py" and file.parts[:2] == ("megatron", "core"):
