@@ -164,16 +164,6 @@ def logprob_bytes(run: RunConfig, vocab_per_rank: int) -> float:
 # Parameters per rank (megatron's model on the meta device, as one rank of the full world)
 
 
-def _quiet_megatron() -> None:
-    """megatron-core warns at import and construction (no TE/Apex, deprecations); the plan is a table."""
-    import logging
-    import warnings
-
-    for category in (UserWarning, DeprecationWarning, FutureWarning):
-        warnings.filterwarnings("ignore", category=category)
-    logging.getLogger("megatron").setLevel(logging.ERROR)
-
-
 @dataclass
 class StageParameters:
     dense: int
@@ -193,11 +183,11 @@ def stage_parameters(run: RunConfig, stage: int) -> StageParameters:
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_rl.trainer import cpu_compat
+    from megatron_rl.trainer import cpu_compat, quiet_megatron
     from megatron_rl.trainer.model import build_model, output_weight
 
     cpu_compat.apply()  # megatron's CUDA-only constructors (MoE dispatcher streams) on a machine without CUDA
-    _quiet_megatron()
+    quiet_megatron()
     p = run.parallel
     if dist.is_initialized():
         raise RuntimeError("megatron_rl.plan: needs a process without a process group (it forms fake ones)")

@@ -19,18 +19,7 @@ from typing import Any
 
 from megatron_rl.config import RunConfig, build
 from megatron_rl.orchestration.placement import Placed, describe, rank_order, spawn, trainer_placement
-
-
-def _quiet_megatron() -> None:
-    """megatron-core warns at import about optional GPU packages (TE, Apex) and deprecations; on the
-    console of a run those lines hide the one-line-per-step summary. Errors still surface."""
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    logging.getLogger("megatron").setLevel(logging.ERROR)
+from megatron_rl.trainer import quiet_megatron
 
 
 class TrainerWorker(Placed):
@@ -41,7 +30,7 @@ class TrainerWorker(Placed):
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
         )
-        _quiet_megatron()
+        quiet_megatron()
         import torch
 
         from megatron_rl.trainer.step import Trainer
