@@ -381,6 +381,10 @@ class AlgoConfig:
     no_positive_resampling: float | None = 0.9
     """Pass-rate threshold at which a prompt leaves all later epochs; null = off."""
     length_penalty: LengthPenaltyConfig = field(default_factory=LengthPenaltyConfig)
+    truncated: Literal["exclude", "keep"] = "exclude"
+    """Completions that hit the answer budget: exclude = left out of the effective batch and of their group's
+    advantages (the paper's appendix: the effective batch after excluding truncated samples), counted in
+    `train/truncated_excluded`; keep = trained on with their reward (-1 when unanswered)."""
 
     def __post_init__(self) -> None:
         low, high = LOSS_DEFAULT_EPS[self.loss]
@@ -470,6 +474,10 @@ class RolloutConfig:
     """pipeline = PipelineRL-k (in-flight weight updates); ppo_off_policy = PPO-off-policy-k."""
     k: int = 8
     """Max policy versions between generation and use (pipeline), or minibatches per sync (off-policy)."""
+    staleness: Literal["wait", "drop"] = "wait"
+    """How k is kept: wait = the trainer waits for groups that would otherwise grow more than k versions
+    old (SCALERL.md §4, the paper's rule: nothing is dropped); drop = groups over k are dropped and counted
+    (`train/stale_dropped`), which drops the longest completions most often."""
     prompts_per_step: int = 48
     generations_per_prompt: int = 16
     sampling: SamplingConfig = field(default_factory=SamplingConfig)

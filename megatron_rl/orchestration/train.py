@@ -244,7 +244,7 @@ async def _save(
         "step": step,
         "sampler": sampler.state_dict(),
         "device_hours": clock.device_hours,
-        "in_flight_groups": pipeline.buffer.qsize() + len(pipeline.tasks),
+        "in_flight_groups": len(pipeline.buffer) + len(pipeline.tasks),
     }
     await trainers.call("save", str(run_dir / "checkpoints"), state, run.checkpoint.keep_last)
 

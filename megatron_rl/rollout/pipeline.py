@@ -10,17 +10,29 @@ start a new group:
   frozen weights; the next round starts only after the trainer has taken k steps and synced
   (`release_round`).
 
-Staleness is enforced in exactly one place, `next_batch`: a group whose oldest token is more than k
-policy versions behind the trainer is dropped and counted, never trained on. Zero-variance groups are
-dropped without refill (the effective batch shrinks, as in the paper) and counted; every finished group,
-filtered or not, updates the no-positive-resampling history.
+Staleness is enforced in exactly one place, `next_batch`. By default (`rollout.staleness: wait`, the
+paper's rule, SCALERL.md §4) the trainer waits: a group started k or more versions ago is *due* and the
+batch is not complete without it, however long its completions take; the other slots are filled first
+come, first served. Nothing is dropped, so the long completions (the last to finish) are trained on as
+often as they are sampled. This is always feasible: in pipeline mode at most min(2, k) x prompts_per_step
+groups are generating or buffered, so at most prompts_per_step of them can be due at once. With
+`staleness: drop` a group whose oldest token is more than k versions behind is dropped and counted
+instead (`train/stale_dropped`), which biases the batch towards short completions.
+
+Truncated completions (answer budget hit) are left out of their group by default (`algo.truncated:
+exclude`, counted in `train/truncated_excluded`): the group's advantages are computed over the others.
+Zero-variance groups (fewer than two completions left, or all rewards equal) are dropped without refill
+(the effective batch shrinks, as in the paper) and counted; every finished group, filtered or not, updates
+the no-positive-resampling history with all its completions.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,10 +77,17 @@ class PromptEncoder:
 @dataclass
 class SampledGroup:
     group: Group
-    kept: bool
-    """False when the zero-variance filter dropped it."""
+    """Every completion sampled for the prompt (the batch statistics count them all)."""
+    train: Group | None
+    """What is trained on: the completions not excluded; None when the zero-variance filter dropped it."""
     passed: list[bool]
     failures: list[str]
+    start_version: int = 0
+    """The policy version when the group was started: it is due `rollout.k` versions later."""
+
+    @property
+    def kept(self) -> bool:
+        return self.train is not None
 
 
 @dataclass
@@ -78,6 +97,9 @@ class BatchStats:
     stale_dropped: int = 0
     completions: int = 0
     truncated: int = 0
+    truncated_excluded: int = 0
+    waited_s: float = 0.0
+    """Seconds the batch waited for due groups while other finished groups were ready."""
     interrupted: int = 0
     aborted: int = 0
     reward_sum: float = 0.0
@@ -102,6 +124,8 @@ class BatchStats:
             "train/sampled_groups": float(self.sampled_groups),
             "train/effective_groups": float(self.effective_groups),
             "train/stale_dropped": float(self.stale_dropped),
+            "train/truncated_excluded": float(self.truncated_excluded),
+            "train/stale_wait_s": self.waited_s,
             "train/staleness_mean": sum(self.staleness) / max(len(self.staleness), 1),
             "train/staleness_max": float(max(self.staleness, default=0)),
             "train/long_prompts_skipped": float(self.long_prompts_skipped),
@@ -132,8 +156,14 @@ class RolloutPipeline:
         self.version = 0
         """The policy version the engines hold (the trainer's step count at the last sync)."""
         round_groups = cfg.k * cfg.prompts_per_step
-        self.capacity = round_groups if cfg.mode == "ppo_off_policy" else 2 * cfg.prompts_per_step
-        self.buffer: asyncio.Queue[SampledGroup] = asyncio.Queue()
+        # Pipeline: a group started at version v is due at v + k; with at most min(2, k) batches generating
+        # or buffered, at most one batch of groups is ever due at once (the wait rule always completes).
+        self.capacity = round_groups if cfg.mode == "ppo_off_policy" else min(2, cfg.k) * cfg.prompts_per_step
+        self.buffer: list[SampledGroup] = []
+        """Finished groups, in the order they finished."""
+        self.generating: dict[int, int] = {}
+        """Groups still generating, by the policy version they were started at."""
+        self.finished = asyncio.Event()
         self.slots = asyncio.Semaphore(self.capacity)
         self.round_open = asyncio.Event()
         self.round_open.set()
@@ -178,15 +208,34 @@ class RolloutPipeline:
         if len(prompt_ids) > self.cfg.max_prompt_tokens:
             self._skip_long(prompt, len(prompt_ids))
             return
-        seeds = [self.rng.random() for _ in range(self.cfg.generations_per_prompt)]
-        completions = await asyncio.gather(*(self._completion(prompt, prompt_ids, s) for s in seeds))
-        group = Group(prompt.id, prompt.task, [c for c, _, _ in completions])
-        passed = [p for _, p, _ in completions]
-        failures = [f for _, _, f in completions if f]
-        self.sampler.no_positive.update(prompt.id, passed)
-        rewards = torch.tensor([group.rewards])
-        kept = bool(zero_variance_keep(rewards)[0]) if self.algo.zero_variance_filter else True
-        await self.buffer.put(SampledGroup(group, kept, passed, failures))
+        start = self.version
+        self.generating[start] = self.generating.get(start, 0) + 1
+        try:
+            seeds = [self.rng.random() for _ in range(self.cfg.generations_per_prompt)]
+            completions = await asyncio.gather(*(self._completion(prompt, prompt_ids, s) for s in seeds))
+            group = Group(prompt.id, prompt.task, [c for c, _, _ in completions])
+            passed = [p for _, p, _ in completions]
+            failures = [f for _, _, f in completions if f]
+            self.sampler.no_positive.update(prompt.id, passed)
+            self.buffer.append(SampledGroup(group, self._trained_part(group), passed, failures, start))
+        finally:
+            self.generating[start] -= 1
+            if not self.generating[start]:
+                del self.generating[start]
+            self.finished.set()
+
+    def _trained_part(self, group: Group) -> Group | None:
+        """The completions trained on (truncated ones excluded unless `algo.truncated: keep`), or None when the
+        zero-variance filter drops the group."""
+        completions = group.completions
+        if self.algo.truncated == "exclude":
+            completions = [c for c in completions if not c.truncated]
+        if self.algo.zero_variance_filter:
+            if len(completions) < 2 or not bool(zero_variance_keep(torch.tensor([[c.reward for c in completions]]))[0]):
+                return None
+        elif not completions:
+            return None
+        return Group(group.prompt_id, group.task, completions)
 
     def _skip_long(self, prompt: Prompt, length: int) -> None:
         """A prompt over `max_prompt_tokens` is skipped and counted; the producer draws another in its place."""
@@ -215,7 +264,7 @@ class RolloutPipeline:
         )
         result = await self.rewards.score(self.encoder.decode(out.tokens), prompt)
         reward = result.reward
-        if self.algo.length_penalty.enabled:
+        if self.algo.length_penalty.enabled and result.passed:  # the paper's Eq. 9: correct traces only
             lp = self.algo.length_penalty
             reward += overlong_penalty(len(out.tokens), lp.max_length, lp.cache_length)
         completion = Completion(
@@ -239,18 +288,28 @@ class RolloutPipeline:
         """prompts_per_step sampled groups no more than k versions old; the zero-variance ones dropped."""
         stats = BatchStats()
         groups: list[Group] = []
+        due_version = trainer_version - self.cfg.k  # groups started at or before it are due in this batch
         while stats.sampled_groups < self.cfg.prompts_per_step:
             self._raise_producer_errors()
-            try:
-                sampled = await asyncio.wait_for(self.buffer.get(), timeout=1.0)
-            except TimeoutError:
+            self.finished.clear()
+            room = self.cfg.prompts_per_step - stats.sampled_groups
+            sampled = self._take(due_version, room)
+            if sampled is None:
+                waiting_for_due = bool(self.buffer)
+                started = time.perf_counter()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.finished.wait(), timeout=1.0)
+                if waiting_for_due:
+                    stats.waited_s += time.perf_counter() - started
                 continue
             self.slots.release()
             staleness = trainer_version - sampled.group.oldest_version
-            if staleness > self.cfg.k:
+            if self.cfg.staleness == "drop" and staleness > self.cfg.k:
                 stats.stale_dropped += 1
                 self._refill_round()
                 continue
+            if staleness > self.cfg.k:
+                log.warning("group of prompt %s is %d versions old (k=%d)", sampled.group.prompt_id, staleness, self.cfg.k)
             stats.sampled_groups += 1
             stats.staleness.append(staleness)
             for completion in sampled.group.completions:
@@ -260,6 +319,8 @@ class RolloutPipeline:
                 stats.aborted += completion.finish_reason == "abort"
                 stats.reward_sum += completion.reward
                 stats.response_tokens += len(completion.tokens)
+            if self.algo.truncated == "exclude":
+                stats.truncated_excluded += sum(c.truncated for c in sampled.group.completions)
             stats.passed += sum(sampled.passed)
             task = stats.by_task.setdefault(sampled.group.task, [0.0, 0.0, 0.0])
             task[0] += len(sampled.group.completions)
@@ -267,11 +328,26 @@ class RolloutPipeline:
             task[2] += sum(sampled.passed)
             for failure in sampled.failures:
                 stats.failures[failure] = stats.failures.get(failure, 0) + 1
-            if sampled.kept:
-                groups.append(sampled.group)
+            if sampled.train is not None:
+                groups.append(sampled.train)
         stats.effective_groups = len(groups)
         stats.long_prompts_skipped = self.long_prompts
         return groups, stats
+
+    def _take(self, due_version: int, room: int) -> SampledGroup | None:
+        """The next finished group for a batch with `room` slots left, or None to wait.
+
+        wait: due groups first; another group only while the slots left exceed the due groups still
+        generating (they must fit in this batch). drop: first come, first served."""
+        if not self.buffer:
+            return None
+        if self.cfg.staleness == "drop":
+            return self.buffer.pop(0)
+        for i, sampled in enumerate(self.buffer):
+            if sampled.start_version <= due_version:
+                return self.buffer.pop(i)
+        due_generating = sum(n for version, n in self.generating.items() if version <= due_version)
+        return self.buffer.pop(0) if room > due_generating else None
 
     def _raise_producer_errors(self) -> None:
         if self.producer is not None and self.producer.done() and not self.producer.cancelled():

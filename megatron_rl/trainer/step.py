@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from megatron_rl.algo.advantages import compute_advantages
+from megatron_rl.algo.advantages import group_advantages
 from megatron_rl.algo.aggregation import sequence_weights
 from megatron_rl.algo.losses import policy_loss
 from megatron_rl.config import RunConfig
@@ -130,16 +130,15 @@ class MicroBatch:
 
 def sequences_from_groups(groups: list[Group], run: RunConfig) -> list[Sequence]:
     """Advantages and aggregation weights over the whole batch, one `Sequence` per completion."""
-    sizes = {len(g.completions) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"train_step: all groups must have the same number of completions, got sizes {sorted(sizes)}")
-    rewards_PG = torch.tensor([g.rewards for g in groups], dtype=torch.float64)
-    advantages_PG = compute_advantages(rewards_PG, run.algo.advantage_norm, run.algo.advantage_eps)
+    empty = [g.prompt_id for g in groups if not g.completions]
+    if empty:
+        raise ValueError(f"train_step: groups without completions (prompts {empty})")
+    advantages = group_advantages([g.rewards for g in groups], run.algo.advantage_norm, run.algo.advantage_eps)
     completions = [(p, c) for p, g in enumerate(groups) for c in g.completions]
     lengths_S = torch.tensor([sum(c.loss_mask) for _, c in completions])
     prompt_index_S = torch.tensor([p for p, _ in completions])
     weights_S = sequence_weights(lengths_S, prompt_index_S, run.algo.aggregation)
-    advantages_S = advantages_PG.flatten()
+    advantages_S = [a for group in advantages for a in group]
     return [
         Sequence(
             tokens=list(c.prompt_tokens) + list(c.tokens),

@@ -5,7 +5,7 @@ import statistics
 import pytest
 import torch
 
-from megatron_rl.algo.advantages import compute_advantages
+from megatron_rl.algo.advantages import compute_advantages, group_advantages
 
 REWARDS = [[1.0, -1.0, -1.0, -1.0], [1.0, 1.0, -1.0, -1.0], [1.0, 1.0, 1.0, -1.0]]
 
@@ -50,3 +50,20 @@ def test_uniform_group_has_zero_advantage_and_no_nan():
 def test_bad_norm_is_a_clear_error():
     with pytest.raises(ValueError, match="algo.advantage_norm: 'x'"):
         compute_advantages(torch.zeros(1, 2), "x")
+
+
+RAGGED = [[1.0, -1.0, -1.0], [1.0, 1.0, -1.0, -1.0], [1.0, -1.0]]
+"""Groups after truncated completions were excluded: sizes 3, 4 and 2."""
+
+
+@pytest.mark.parametrize("norm", ["batch", "group", "none"])
+def test_ragged_groups_match_loop_reference(norm):
+    got = group_advantages(RAGGED, norm)
+    want = _reference(RAGGED, norm)
+    assert [len(g) for g in got] == [3, 4, 2]
+    for row, ref in zip(got, want, strict=True):
+        assert row == pytest.approx(ref, abs=1e-6)
+
+
+def test_equal_groups_give_the_same_advantages_ragged_or_not():
+    assert torch.allclose(torch.tensor(group_advantages(REWARDS)), compute_advantages(torch.tensor(REWARDS)))

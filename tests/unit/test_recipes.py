@@ -85,6 +85,7 @@ def test_peer_recipes_match_the_paper_description():
     assert dapo.algo.zero_variance_filter and dapo.rollout.mode == "ppo_off_policy"
     magistral = load_config("magistral")
     assert magistral.algo.loss == "dapo" and magistral.rollout.mode == "pipeline"
+    assert magistral.algo.aggregation == "prompt"  # the DAPO recipe (prompt average) on PipelineRL
     minimax = load_config("minimax")
     assert (minimax.algo.loss, minimax.trainer.fp32_lm_head, minimax.algo.aggregation) == ("cispo", True, "prompt")
     assert minimax.algo.zero_variance_filter and minimax.rollout.mode == "ppo_off_policy"
