@@ -44,7 +44,11 @@ RECIPE = "scalerl-cpu"
 LOOPS: dict[str, list[str]] = {
     "PipelineRL-8": ["rollout.mode=pipeline", "rollout.k=8"],
     "synchronous": ["rollout.mode=ppo_off_policy", "rollout.k=1"],
+    # the staleness rule where it binds: k = 2 keeps at most two batches in flight
+    "PipelineRL-2-wait": ["rollout.mode=pipeline", "rollout.k=2", "rollout.staleness=wait"],
+    "PipelineRL-2-drop": ["rollout.mode=pipeline", "rollout.k=2", "rollout.staleness=drop"],
 }
+DEFAULT_LOOPS = ["PipelineRL-8", "synchronous"]
 
 
 def run_name(loop: str) -> str:
@@ -153,6 +157,8 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
         "staleness_mean": sum(staleness) / len(staleness),
         "staleness_max": max(r["train/staleness_max"] for r in train_rows),
         "stale_dropped": sum(r["train/stale_dropped"] for r in train_rows),
+        "stale_wait_s": sum(r.get("train/stale_wait_s", 0.0) for r in train_rows),
+        "response_length": sum(r["train/response_length"] for r in train_rows) / len(train_rows),
         "validation": curve,
     }
 
@@ -169,18 +175,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--target", type=float, help="target val/pass_rate (default: mean starting rate + 0.05)")
     parser.add_argument("--output-dir", type=Path, default=Path("runs/bench_loop"))
-    parser.add_argument("--reverse", action="store_true", help="run the synchronous loop first")
+    parser.add_argument("--reverse", action="store_true", help="run the loops in reverse order")
     parser.add_argument("--report-only", action="store_true", help="do not train; read the runs already there")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--loops", nargs="+", choices=list(LOOPS), default=DEFAULT_LOOPS, help="loops to run, in order")
     args = parser.parse_args()
+    loops = args.loops
 
     overrides = common_overrides(args)
-    process: dict[str, tuple[float, float] | None] = dict.fromkeys(LOOPS)
+    process: dict[str, tuple[float, float] | None] = dict.fromkeys(loops)
     if not args.report_only:
         overrides.append(f"model.hf_path={freeze_policy(overrides, args.output_dir).resolve()}")
-        for loop in reversed(LOOPS) if args.reverse else LOOPS:
+        for loop in reversed(loops) if args.reverse else loops:
             process[loop] = train(loop, overrides, args.output_dir)
-    results = {loop: summarize(args.output_dir / run_name(loop) / "metrics.jsonl") for loop in LOOPS}
+    results = {loop: summarize(args.output_dir / run_name(loop) / "metrics.jsonl") for loop in loops}
     starts = [r["validation"][0]["pass_rate"] for r in results.values()]
     target = args.target if args.target is not None else round(sum(starts) / len(starts) + 0.05, 3)
     for loop, result in results.items():
@@ -209,6 +217,9 @@ def main() -> None:
         ),
         (f"to val >= {target:.3f}: s / device-h", reached),
         ("staleness mean (max)", lambda r: f"{r['staleness_mean']:.2f} ({r['staleness_max']:.0f})"),
+        ("stale dropped", lambda r: f"{r['stale_dropped']:.0f}"),
+        ("trained length", lambda r: f"{r['response_length']:.1f}"),
+        ("waited for due groups s", lambda r: f"{r['stale_wait_s']:.1f}"),
     ]
     print(f"\n{args.steps} steps each, validation every {args.eval_every}; target val/pass_rate {target:.3f}\n")
     print("| loop | " + " | ".join(name for name, _ in columns) + " |")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -45,9 +46,20 @@ import aiohttp
 from megatron_rl.config import EngineConfig, SamplingConfig
 from megatron_rl.rollout.interruption import GenerateFn, Segment
 
+log = logging.getLogger(__name__)
+
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 """KV-cache pool size on CPU when none is given: SGLang would otherwise size it from a fraction of host RAM,
 which on a shared machine takes memory other processes need."""
+
+
+SERVER_KEEPALIVE_S = 60
+"""Idle keep-alive of the servers we start (SGLang's uvicorn default is 5 s)."""
+CLIENT_KEEPALIVE_S = 4.0
+"""The client drops an idle connection after this, before any SGLang server (default 5 s) closes it. A
+client that keeps it longer (aiohttp's default is 15 s) sometimes sends a request on a connection the
+server is closing at that moment, which fails as 'connection lost' although nothing is wrong: 3-5% of
+requests sent ~5 s after the previous one on the same connection, measured against uvicorn."""
 
 
 class EngineError(RuntimeError):
@@ -141,6 +153,7 @@ class SGLangServer:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))
         if self.cfg.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform defaults (no CUDA probing)
         return env
@@ -290,7 +303,8 @@ class SGLangClient:
             # A session belongs to the loop that made it; a client reused from a new loop gets a new one.
             timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.connect_timeout_s)
             # limit=0: no client-side cap on concurrent requests; SGLang schedules them itself.
-            self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
             self._loop = loop
         return self._session
 
@@ -613,6 +627,8 @@ class EngineBalancer:
             except EngineError as exc:
                 self.failures += 1
                 self.failures_by_engine[index] += 1
+                if self.failures <= 20:
+                    log.warning("engine %s failed a request (failure %d): %s", client.url, self.failures, exc)
                 if isinstance(exc, EngineUnavailableError):
                     self._down_until[index] = time.monotonic() + self.down_s
                 if not _retryable(exc) or attempt == self.max_retries:

@@ -44,7 +44,16 @@ def _train(tmp: Path, name: str, extra: list[str]) -> list[dict]:
     lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
     header = json.loads(lines[0])
     assert header["run"]["name"] == name
-    return [json.loads(line) for line in lines[1:]]
+    rows = [json.loads(line) for line in lines[1:]]
+    # nothing is injected here: a failed or retried request means the client or the server misbehaved
+    failures = [
+        (r["step"], r["rollout/engine_failures"], r["rollout/engine_retries"])
+        for r in rows
+        if "step" in r and "rollout/engine_failures" in r
+    ]
+    assert all(f == 0 and n == 0 for _, f, n in failures), failures
+    assert all(r.get("rollout/sync_failures", 0) == 0 and r.get("train/stale_dropped", 0) == 0 for r in rows)
+    return rows
 
 
 def test_pipeline_rl_run_learns_logs_and_resumes(tmp_path):

@@ -54,6 +54,7 @@ def test_math_and_code_run_logs_per_task_curves_and_fits_each(tmp_path: Path) ->
         failures = {k.removeprefix("train/failures/") for k in row if k.startswith("train/failures/")}
         assert failures <= set(FAILURES) | {"no_answer", "reward_error"}  # code's reasons and math's
         assert "reward_error" not in failures  # no reward function raised
+        assert row["rollout/engine_failures"] == 0 and row["rollout/engine_retries"] == 0  # nothing injected
 
     # The warmed-up policy writes programs the sandbox runs and the tests accept.
     assert max(r.get("train/pass_rate/code", 0.0) for r in steps) > 0
