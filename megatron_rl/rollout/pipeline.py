@@ -309,7 +309,9 @@ class RolloutPipeline:
                 self._refill_round()
                 continue
             if staleness > self.cfg.k:
-                log.warning("group of prompt %s is %d versions old (k=%d)", sampled.group.prompt_id, staleness, self.cfg.k)
+                log.warning(
+                    "group of prompt %s is %d versions old (k=%d)", sampled.group.prompt_id, staleness, self.cfg.k
+                )
             stats.sampled_groups += 1
             stats.staleness.append(staleness)
             for completion in sampled.group.completions:

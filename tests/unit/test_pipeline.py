@@ -39,7 +39,9 @@ def rewards():
     workers.close()
 
 
-def _pipeline(encoder, rewards, train, cfg: RolloutConfig, answer: str, algo: AlgoConfig | None = None) -> RolloutPipeline:
+def _pipeline(
+    encoder, rewards, train, cfg: RolloutConfig, answer: str, algo: AlgoConfig | None = None
+) -> RolloutPipeline:
     tok = encoder.tokenizer
     tokens = InterruptionTokens(tok.convert_tokens_to_ids("</think>"), tok.eos_token_id, [])
     completion = tok(f"<think>1+1=2</think>{answer}", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
