@@ -488,12 +488,18 @@ class RolloutConfig:
     weight_sync: Literal["distributed", "disk"] = "distributed"
     """Trainer -> engines transport: a process group (NCCL/gloo) or safetensors files (the fallback)."""
     sync_bucket_mb: int = 512
+    sync_timeout_s: float = 300.0
+    """Bound on every step of a weight push (each HTTP call, each bucket's broadcast, the group's
+    rendezvous): an engine that has not answered by then (hung, stopped) fails the push, is restarted and
+    caught up. Must cover loading one bucket on the slowest engine."""
     max_retries: int = 3
     """Retries of a request whose engine failed, on another engine or after restart."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
             _fail("k", f"must be >= 1, got {self.k}")
+        if self.sync_timeout_s <= 0:
+            _fail("sync_timeout_s", f"must be > 0, got {self.sync_timeout_s}")
         if self.prompts_per_step < 1:
             _fail("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
         if self.generations_per_prompt < 2:

@@ -24,10 +24,24 @@ One update, for both transports:
 A failure while weights are being sent raises SyncError and leaves the engines paused with partly
 updated weights (resuming would generate from a mix of two policies); the caller restarts them or sends
 again (the engines that are still up have their update session closed, so a new `begin_weight_update`
-is accepted). Nothing waits forever on a dead or hung engine: a dead one fails the update within seconds
-(refused HTTP calls; gloo's "connection closed by peer" in the broadcast), a hung one after `timeout_s`
-(every HTTP wait, the rendezvous and the group's collectives). The engines' side of the group uses
-torch's default timeout (30 min), which SGLang's HTTP API does not expose; it only matters when the
+is accepted). `SyncError.engines` names the engines to restart: those that failed a call, and those that
+had not answered when the deadline passed.
+
+Nothing waits longer than `timeout_s` (`rollout.sync_timeout_s`) on a dead or hung engine, whatever the
+backend. A dead one fails the update within seconds (refused HTTP calls; gloo's "connection closed by
+peer"). A hung one (stopped, wedged in a kernel) answers nothing: every HTTP call has its own deadline, and
+the broadcast is issued asynchronously and polled (`Work.is_completed`) against the same deadline, also
+ending early when an engine refuses the bucket. This matters on NCCL, where a collective with a dead or
+hung peer never completes on its own: the group is created with a timeout of 2 x `timeout_s`, so our
+deadline always passes first, and the broken communicator is then aborted (`_abort_process_group`, torch's
+API for a communicator with an operation in flight; `destroy_process_group` would block on it) before
+NCCL's watchdog reaches the group's timeout and, under the default TORCH_NCCL_ASYNC_ERROR_HANDLING, tears
+down trainer rank 0. Gloo has no abort: its pending send ends with an error once the hung peer is
+killed, so the caller kills the engines named in SyncError before `close()`, which then destroys the group
+(and gives up on it, leaking nothing but a blocked thread, if that still has not happened within
+`timeout_s`). Healthy engines on NCCL may be stuck in the same broadcast behind the hung one; they have
+not answered by the deadline either, so they are named and restarted too. The engines' side of the group
+uses torch's default timeout (30 min), which SGLang's HTTP API does not expose; it only matters when the
 trainer dies mid-update, and then the engines are stopped with the run.
 
 The process group outside torch's default group uses the same construction as SGLang's engine side
@@ -40,11 +54,13 @@ meet, which is why we build it the same way rather than constructing `ProcessGro
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import shutil
 import tempfile
 import threading
 import time
+import warnings
 from collections.abc import Coroutine, Iterable, Iterator
 from concurrent.futures import Future
 from datetime import timedelta
@@ -55,14 +71,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.rollout.sglang import EngineError, SGLangClient
+from megatron_rl.rollout.sglang import SGLangClient
 
 GROUP_NAME = "megatron_rl_weight_sync"
 T = TypeVar("T")
 
 
 class SyncError(RuntimeError):
-    """A weight update did not reach every engine."""
+    """A weight update did not reach every engine. `engines`: the sender's indices of the engines that
+    failed a call or had not answered by the deadline (the ones to restart); empty when none is to blame."""
+
+    def __init__(self, message: str, engines: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.engines = sorted(set(engines))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep `engines` through pickling (Ray)
+        return (SyncError, (str(self), self.engines))
 
 
 def new_process_group(
@@ -137,44 +161,57 @@ class WeightSender:
         pause_mode: Literal["in_place", "retract"] = "in_place",
         group_name: str = GROUP_NAME,
         disk_dir: str | Path | None = None,
-        timeout_s: float = 600.0,
+        timeout_s: float | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("WeightSender needs at least one engine URL")
         self.urls, self.addr, self.port, self.cfg = list(engine_urls), master_addr, master_port, cfg
         self.engine_tp = engine_tp or cfg.engine.tp
-        self.pause_mode, self.group_name, self.timeout_s = pause_mode, group_name, timeout_s
+        self.pause_mode, self.group_name = pause_mode, group_name
+        self.timeout_s = cfg.sync_timeout_s if timeout_s is None else timeout_s
         self.disk_dir = Path(disk_dir) if disk_dir is not None else None
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.group: Any = None
+        self.broken = False
+        """A collective of the group failed or ran out of time: the group cannot be used again."""
         # The engine calls run on a private event loop in a thread: the HTTP request that makes an
         # engine receive a bucket must be in flight while this thread blocks in the broadcast.
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weight-sync-http", daemon=True)
         self._thread.start()
-        self.clients = [SGLangClient(url, timeout_s=timeout_s, tp=self.engine_tp) for url in self.urls]
+        self.clients = [SGLangClient(url, timeout_s=self.timeout_s, tp=self.engine_tp) for url in self.urls]
 
     # --- helpers ------------------------------------------------------------------------------------
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
-    def _submit_all(self, call: str, *args: Any, **kwargs: Any) -> Future[list[Any]]:
-        async def everyone() -> list[Any]:
-            return await asyncio.gather(*(getattr(c, call)(*args, **kwargs) for c in self.clients))
+    def _submit_each(self, call: str, *args: Any, **kwargs: Any) -> list[Future[Any]]:
+        return [self._submit(getattr(c, call)(*args, **kwargs)) for c in self.clients]
 
-        return self._submit(everyone())
-
-    def _wait(self, future: Future[T], what: str) -> T:
-        try:
-            return future.result(timeout=self.timeout_s)
-        except EngineError as exc:
-            raise SyncError(f"{what}: {exc}") from exc
-        except TimeoutError as exc:
-            raise SyncError(f"{what}: no answer within {self.timeout_s:.0f} s") from exc
+    def _wait_each(self, futures: list[Future[T]], what: str, deadline: float | None = None) -> list[T]:
+        """Results of one call per engine. Raises SyncError naming the engines that failed or had not
+        answered by `deadline` (default: `timeout_s` from now); stops waiting at the first failure."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        concurrent.futures.wait(futures, max(0.0, deadline - time.monotonic()), concurrent.futures.FIRST_EXCEPTION)
+        blamed, reasons = [], []
+        for i, future in enumerate(futures):
+            if future.done() and future.exception() is not None:
+                blamed.append(i)
+                reasons.append(str(future.exception()))
+        if not blamed:
+            for i, future in enumerate(futures):
+                if not future.done():
+                    blamed.append(i)
+                    reasons.append(f"{self.urls[i]}: no answer within {self.timeout_s:.0f} s")
+        if blamed:
+            for future in futures:
+                future.cancel()
+            raise SyncError(f"{what}: " + "; ".join(reasons), blamed)
+        return [future.result() for future in futures]
 
     def _all(self, call: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._wait(self._submit_all(call, *args, **kwargs), call)
+        return self._wait_each(self._submit_each(call, *args, **kwargs), call)
 
     # --- API ----------------------------------------------------------------------------------------
 
@@ -185,30 +222,34 @@ class WeightSender:
         if self.group is not None:
             raise RuntimeError("WeightSender.connect(): already connected; close() first")
         world = 1 + self.engine_tp * len(self.clients)
-
-        async def join() -> None:
-            await asyncio.gather(
-                *(
-                    c.init_weights_update_group(
-                        self.addr, self.port, 1 + i * self.engine_tp, world, self.group_name, self.backend
-                    )
-                    for i, c in enumerate(self.clients)
+        deadline = time.monotonic() + self.timeout_s
+        joined = [  # the engines wait in the rendezvous for rank 0, created next
+            self._submit(
+                c.init_weights_update_group(
+                    self.addr, self.port, 1 + i * self.engine_tp, world, self.group_name, self.backend
                 )
             )
-
-        joined = self._submit(join())  # the engines wait in the rendezvous for rank 0, created next
+            for i, c in enumerate(self.clients)
+        ]
         try:
+            # 2 x timeout_s: our own deadlines always pass first (see the module docstring)
             self.group = new_process_group(
-                self.backend, self.addr, self.port, world, 0, self.group_name, self.timeout_s
+                self.backend, self.addr, self.port, world, 0, self.group_name, 2 * self.timeout_s
             )
         except Exception as exc:  # torch raises RuntimeError/DistStoreError/...; say which group failed
-            raise SyncError(f"weight-sync group {self.group_name} at {self.addr}:{self.port}: {exc}") from exc
-        self._wait(joined, "init_weights_update_group")
+            missing = [i for i, f in enumerate(joined) if not f.done() or f.exception() is not None]
+            for future in joined:
+                future.cancel()
+            raise SyncError(f"weight-sync group {self.group_name} at {self.addr}:{self.port}: {exc}", missing) from exc
+        self.broken = False
+        self._wait_each(joined, "init_weights_update_group", deadline)
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
         """Pause the engines, send every bucket, set `version`, resume; returns sync/* metrics."""
         if self.cfg.weight_sync == "distributed" and self.group is None:
             raise RuntimeError("WeightSender.send(): connect() first")
+        if self.broken:
+            raise SyncError("the weight-sync group is broken by an earlier failure: close() and connect() again")
         started = time.perf_counter()
         stream = (bucket for bucket in buckets if bucket)
         first = next(stream, None)  # made (e.g. gathered) before the engines pause
@@ -231,7 +272,9 @@ class WeightSender:
                 raise SyncError("flush_cache refused after a retracting pause (requests still running)")
         except Exception as exc:
             raise SyncError(
-                f"weight update to version {version} failed; the engines stay paused with partly updated weights: {exc}"
+                f"weight update to version {version} failed; the engines stay paused with partly updated "
+                f"weights: {exc}",
+                getattr(exc, "engines", ()),
             ) from exc
         self._all("resume")
         seconds = time.perf_counter() - started
@@ -264,6 +307,27 @@ class WeightSender:
             raise
         return total, count + 1
 
+    def _teardown_group(self) -> None:
+        group = self.group
+        if self.broken and self.backend == "nccl":
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group(group)
+            return
+        done = threading.Event()
+
+        def destroy() -> None:
+            dist.destroy_process_group(group)
+            done.set()
+
+        threading.Thread(target=destroy, name="weight-sync-destroy", daemon=True).start()
+        if not done.wait(self.timeout_s):
+            warnings.warn(
+                f"weight-sync group {self.group_name}: not destroyed within {self.timeout_s:.0f} s (a peer is still "
+                "hung in a collective); left behind",
+                stacklevel=2,
+            )
+
     def _try_all(self, call: str) -> None:
         """`call` on every engine, best effort: errors (dead engine, no session open) are ignored."""
 
@@ -275,7 +339,8 @@ class WeightSender:
 
     def _broadcast(self, bucket: list[tuple[str, torch.Tensor]], version: int | None) -> int:
         ordered, flat = flatten_bucket(bucket)
-        received = self._submit_all(
+        deadline = time.monotonic() + self.timeout_s
+        received = self._submit_each(
             "update_weights_from_distributed",
             names=[name for name, _ in ordered],
             dtypes=[_dtype_name(t) for _, t in ordered],
@@ -284,8 +349,25 @@ class WeightSender:
             version=version,
             flattened=True,
         )
-        dist.broadcast(flat, src=0, group=self.group)
-        self._wait(received, "update_weights_from_distributed")
+        work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
+        while not work.is_completed():
+            refused = any(f.done() and f.exception() is not None for f in received)
+            if refused or time.monotonic() > deadline:
+                # An engine refused the bucket (it will never join this collective) or did not take it in
+                # time: the group is broken. Name the engines; `close()` tears the group down.
+                self.broken = True
+                self._wait_each(received, "update_weights_from_distributed", deadline)
+                raise SyncError(
+                    f"broadcast of a bucket: not complete within {self.timeout_s:.0f} s", range(len(self.clients))
+                )
+            time.sleep(0.002)
+        try:
+            work.wait()  # raises the collective's own error (gloo: a peer closed the connection)
+        except Exception:
+            self.broken = True
+            self._wait_each(received, "update_weights_from_distributed", deadline)
+            raise
+        self._wait_each(received, "update_weights_from_distributed", deadline)
         return flat.numel()
 
     def _send_disk(self, buckets: list[list[tuple[str, torch.Tensor]]], version: int) -> int:
@@ -303,12 +385,16 @@ class WeightSender:
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def close(self) -> None:
-        """Leave the process group (engines first) and stop the HTTP thread."""
+        """Leave the process group (engines first) and stop the HTTP thread. A broken group is aborted on NCCL;
+        on gloo it is destroyed once its pending send has failed (the hung engine killed), and left behind,
+        with a warning, if that takes longer than `timeout_s`."""
         if self.group is not None:
-            destroyed = self._submit_all("destroy_weights_update_group", self.group_name)
-            with contextlib.suppress(EngineError, TimeoutError):  # a dead engine has no group left to destroy
-                destroyed.result(timeout=60)
-            dist.destroy_process_group(self.group)
+            destroyed = self._submit_each("destroy_weights_update_group", self.group_name)
+            # a dead or restarted engine has no group left to destroy: errors and silence are both fine here
+            concurrent.futures.wait(destroyed, min(self.timeout_s, 60.0))
+            for future in destroyed:
+                future.cancel()
+            self._teardown_group()
             self.group = None
         if self._loop.is_running():
 

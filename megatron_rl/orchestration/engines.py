@@ -11,8 +11,10 @@ A killed engine costs time, not the run:
   (`rollout/engine_restarts`); then the request is retried, on another engine when there is one
   (`rollout/engine_failures`, `rollout/engine_retries`).
 - A weight push that fails (a dead peer fails it within seconds: refused HTTP calls, gloo's "connection
-  closed by peer"; a hung one after the sender's timeout) restarts the dead engines, re-forms the group
-  and pushes once more (`rollout/sync_failures`); a second failure ends the run with a SyncError.
+  closed by peer"; a hung one after `rollout.sync_timeout_s`, see sync.py) restarts the dead engines and
+  the ones the failure names (a hung engine is alive but answers nothing: it is killed first, which also
+  ends the trainer's pending send to it), re-forms the group and pushes once more
+  (`rollout/sync_failures`); a second failure ends the run with a SyncError.
 
 Restarts and pushes take one lock, so an engine is restarted once however many requests saw it die, and
 no push runs on a group that a restart is replacing. A restarted engine loads the run's initial policy
@@ -54,8 +56,9 @@ class EngineHost(Placed):
         await self.server.wait_ready()
         return self.server.url
 
-    async def restart(self) -> str:
-        await self.server.restart()
+    async def restart(self, kill: bool = False) -> str:
+        """Stop (at once with SIGKILL when `kill`: a hung server would ignore SIGTERM) and start again."""
+        await self.server.restart(grace_s=0.0 if kill else 20.0)
         return self.server.url
 
     def alive(self) -> bool:
@@ -118,15 +121,17 @@ class EngineGroup:
             if await self._restart_if_dead(self.clients.index(client)) and self.trainers is not None:
                 await self._push(self.trainers, "catch-up after a restart")
 
-    async def _restart_if_dead(self, index: int) -> bool:
-        """Restart engine `index` if its server process is gone (lock held); True if it was restarted.
+    async def _restart_if_dead(self, index: int, hung: bool = False) -> bool:
+        """Restart engine `index` if its server process is gone, or kill and restart it if `hung` (lock held);
+        True if it was restarted.
 
         The process, not `/health`, decides: SGLang answers `/health` with a one-token generation, which a
-        busy or paused (mid-push) engine may not finish within the probe's timeout."""
-        if await self.hosts[index].alive.remote():
-            return False  # a transient error, a hung engine, or another caller already restarted it
-        print(f"engine {index} died; restarting it", flush=True)
-        self.clients[index].url = await self.hosts[index].restart.remote()
+        busy or paused (mid-push) engine may not finish within the probe's timeout. Only a weight push, with
+        its deadline on every step, calls an engine hung."""
+        if not hung and await self.hosts[index].alive.remote():
+            return False  # a transient error, or another caller already restarted it
+        print(f"engine {index} {'did not answer a weight push' if hung else 'died'}; restarting it", flush=True)
+        self.clients[index].url = await self.hosts[index].restart.remote(kill=hung)
         self.restarts += 1
         self.resync = True
         return True
@@ -152,8 +157,9 @@ class EngineGroup:
         except SyncError as exc:
             self.sync_failures += 1
             self.resync = True  # the group saw a failure: rebuild it whatever the cause
+            named = set(getattr(getattr(exc, "cause", None) or exc, "engines", []))
             print(f"weight push ({what}) failed: {_cause(exc)}; restarting dead engines and pushing again", flush=True)
-        restarted = [i for i in range(len(self.hosts)) if await self._restart_if_dead(i)]
+        restarted = [i for i in range(len(self.hosts)) if await self._restart_if_dead(i, hung=i in named)]
         try:
             await self._reconnect(trainers)
             return await trainers.call("push_weights")

@@ -230,7 +230,8 @@ class SGLangServer:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(pgid, signal.SIGKILL)
                 self.process.wait()
-                while self._group_alive(pgid):
+                deadline = time.monotonic() + 30.0  # SIGKILL is not refused; only unreaped zombies could stay
+                while self._group_alive(pgid) and time.monotonic() < deadline:
                     time.sleep(0.1)
             self.process = None
         if self._log is not None:
@@ -246,9 +247,10 @@ class SGLangServer:
             return False
         return True
 
-    async def restart(self, timeout_s: float = 600.0) -> None:
-        """Stop and start again (on the same port if it is still free), then wait until ready."""
-        self.stop()
+    async def restart(self, timeout_s: float = 600.0, grace_s: float = 20.0) -> None:
+        """Stop (SIGKILL after `grace_s`) and start again (on the same port if it is still free), then wait
+        until ready."""
+        self.stop(grace_s)
         if not _port_is_free(self.host, self.port):
             self.port = free_port(self.host)
         self.restarts += 1

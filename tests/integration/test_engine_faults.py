@@ -12,12 +12,17 @@ are real:
   engine first.
 - push path: just before the push of version 4 the engine is killed, so that push fails; the engine is
   restarted, the sync group re-formed and the push retried.
+- hung engine: just before the push of version 5 the engine is stopped (SIGSTOP: alive, answering
+  nothing, with requests in flight). The push fails at `rollout.sync_timeout_s`, naming it; it is killed,
+  restarted and caught up, and the requests that were waiting on it are retried.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +36,8 @@ from megatron_rl.orchestration.engines import EngineGroup
 pytestmark = pytest.mark.slow
 
 K = 2
-GENERATE_FAULT_AFTER, PUSH_FAULT_AT, TOTAL_STEPS = 2, 4, 5
+GENERATE_FAULT_AFTER, PUSH_FAULT_AT, HANG_AT, TOTAL_STEPS = 2, 4, 5, 6
+SYNC_TIMEOUT_S = 15
 CHECKED = ("model.norm.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight")
 SMALL = [
     "data.val_prompts=16",
@@ -45,6 +51,7 @@ SMALL = [
     "logging.live_scaling_fit=false",
     "checkpoint.every_steps=100",
     "checkpoint.save_on_signal=false",  # the run shares this process with pytest
+    f"rollout.sync_timeout_s={SYNC_TIMEOUT_S}",
 ]
 
 
@@ -59,13 +66,16 @@ class Faults:
         self.initial: dict[str, torch.Tensor] = {}
         """The policy the engines start (and restart) from."""
         self.final: dict[str, Any] = {}
+        self.hung_at = 0.0
+        self.recovered_s = 0.0
+        """Seconds from stopping the engine to the end of the push that restarted it."""
 
-    def kill(self, group: EngineGroup, what: str) -> None:
+    def kill(self, group: EngineGroup, what: str, sig: int = signal.SIGKILL) -> None:
         import ray
 
         pid = ray.get(group.hosts[0].pid.remote())
         assert pid > 0 and os.getpgid(pid) == pid  # the server leads its own process group
-        os.killpg(pid, signal.SIGKILL)  # HTTP server, scheduler and detokenizer together
+        os.killpg(pid, sig)  # HTTP server, scheduler and detokenizer together
         self.fired.append(what)
 
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -92,7 +102,12 @@ class Faults:
                 # No await between the kill and the push taking the engine lock: the push is the first to
                 # meet the dead engine, before any generation request can restart it.
                 self.kill(group, "push")
+            if version == HANG_AT and "hang" not in self.fired:
+                self.kill(group, "hang", signal.SIGSTOP)
+                self.hung_at = time.monotonic()
             stats = await push(group, trainers, version)
+            if version == HANG_AT:
+                self.recovered_s = time.monotonic() - self.hung_at
             if version == GENERATE_FAULT_AFTER:
                 self.armed = True
             return stats
@@ -144,7 +159,7 @@ def test_killed_engine_is_restarted_resynced_and_counted(tmp_path, monkeypatch, 
     faults.install(monkeypatch)
     run_dir = train(run)
 
-    assert faults.fired == ["generate", "push"]
+    assert faults.fired == ["generate", "push", "hang"]
     rows = read_metrics(run_dir / "metrics.jsonl")
     steps = {r["step"]: r for r in rows if "train/loss" in r}
     assert sorted(steps) == list(range(1, TOTAL_STEPS + 1))  # every step ran
@@ -161,14 +176,20 @@ def test_killed_engine_is_restarted_resynced_and_counted(tmp_path, monkeypatch, 
     last = steps[TOTAL_STEPS]
     assert steps[PUSH_FAULT_AT - 1]["rollout/sync_failures"] == 0
     assert steps[PUSH_FAULT_AT]["rollout/sync_failures"] == 1 and last["rollout/sync_failures"] == 1
-    assert steps[PUSH_FAULT_AT]["rollout/engine_restarts"] == 2 and last["rollout/engine_restarts"] == 2
+    assert steps[PUSH_FAULT_AT]["rollout/engine_restarts"] == 2
+    # hung engine: the push failed at the deadline, not at NCCL's or gloo's own timeout; one more restart
+    assert steps[HANG_AT]["rollout/sync_failures"] == 2 and last["rollout/sync_failures"] == 2
+    assert steps[HANG_AT]["rollout/engine_restarts"] == 3 and last["rollout/engine_restarts"] == 3
+    assert SYNC_TIMEOUT_S <= faults.recovered_s < SYNC_TIMEOUT_S + 300, faults.recovered_s
 
     # A restarted engine loads the initial policy (version 0); it is caught up before it serves again,
     # so every segment generated after a restart comes from the version the trainer had at that fault.
     after_first = [version for restarts, version in faults.segments if restarts == 1]
     after_second = [version for restarts, version in faults.segments if restarts == 2]
+    after_third = [version for restarts, version in faults.segments if restarts == 3]
     assert after_first and min(after_first) >= GENERATE_FAULT_AFTER
     assert after_second and min(after_second) >= PUSH_FAULT_AT
+    assert after_third and min(after_third) >= HANG_AT
     assert min(v for r, v in faults.segments if r == 0) == 0  # (the check can fail: version 0 was served)
 
     # After the run the restarted engine holds exactly the trainer's final weights, which training moved
@@ -242,4 +263,76 @@ def test_an_update_that_failed_midway_can_be_sent_again_and_a_dead_engine_fails_
     finally:
         if sender is not None:
             sender.close()  # also after a dead engine: its group is torn down on the trainer side
+        server.stop()
+
+
+def test_a_hung_engine_fails_the_push_within_the_sync_timeout_and_is_named(tmp_path):
+    """A stopped engine (SIGSTOP: alive, answering nothing) while buckets are being sent: the push fails within
+    `sync_timeout_s`, naming the engine, instead of blocking in the broadcast (on NCCL: until the watchdog tears
+    the trainer down). Once the engine is killed, closing the broken group returns at once; the restarted engine
+    joins a new group and takes the next update."""
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from megatron_rl.config import EngineConfig, ModelConfig, build, load_model_dict
+    from megatron_rl.data.tiny import build_tiny_model
+    from megatron_rl.rollout.sglang import SGLangClient, SGLangServer, free_port
+    from megatron_rl.sync import SyncError, WeightSender, make_buckets
+
+    timeout = 8.0
+    model_dir = build_tiny_model(tmp_path / "model", build(ModelConfig, load_model_dict("cpu_demo")), seed=11)
+    new = {name: t + 0.01 for name, t in sorted(load_file(str(model_dir / "model.safetensors")).items())}
+    engine = EngineConfig(device="cpu", dtype="float32", tp=1, fp32_lm_head=True)
+    server = SGLangServer(model_dir, engine, tmp_path / "engine.log", max_total_tokens=4096)
+    rollout = load_config("scalerl-cpu", None, [f"rollout.sync_timeout_s={timeout}"]).rollout
+    server.start()
+    senders: list[WeightSender] = []
+
+    def stopped_stream():
+        for i, bucket in enumerate(make_buckets(new.items(), bucket_bytes=1 << 20)):
+            if i == 1:
+                os.killpg(server.pid, signal.SIGSTOP)  # HTTP server, scheduler and detokenizer
+            yield bucket
+
+    async def version() -> int:
+        client = SGLangClient(server.url)
+        try:
+            return await client.weight_version()
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(server.wait_ready(timeout_s=400))
+        senders.append(WeightSender([server.url], "127.0.0.1", free_port(), rollout))
+        senders[0].connect()
+        assert senders[0].timeout_s == timeout
+        senders[0].send(make_buckets(new.items(), bucket_bytes=1 << 20), version=1)
+
+        started = time.monotonic()
+        with pytest.raises(SyncError) as failure:
+            senders[0].send(stopped_stream(), version=2)
+        failed_after = time.monotonic() - started
+        assert failure.value.engines == [0]
+        # one deadline for the bucket, plus at most one more to close the engines' update session
+        assert failed_after < 2 * timeout + 5, failed_after
+        assert server.alive()  # stopped, not dead: only the deadline could tell
+
+        os.killpg(server.pid, signal.SIGKILL)  # what EngineGroup does with an engine a SyncError names
+        server.process.wait()
+        started = time.monotonic()
+        senders[0].close()
+        assert time.monotonic() - started < timeout  # the broken group is torn down, not waited on
+
+        asyncio.run(server.restart(timeout_s=400))
+        senders.append(WeightSender([server.url], "127.0.0.1", free_port(), rollout))
+        senders[1].connect()
+        senders[1].send(make_buckets(new.items(), bucket_bytes=1 << 20), version=3)
+        assert asyncio.run(version()) == 3
+    finally:
+        for sender in senders:
+            sender.close()
+        if server.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(server.pid, signal.SIGCONT)
         server.stop()
