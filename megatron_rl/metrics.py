@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -61,14 +62,34 @@ def console_line(step: int, row: dict[str, Any]) -> str:
 
 
 class MetricsLogger:
-    def __init__(self, cfg: LoggingConfig, run_dir: Path, header: dict[str, Any], config: dict[str, Any]) -> None:
+    """The run's metrics file (a header line, then one JSON row per step), wandb and the console line.
+
+    `resume_step`: the step the run continues from (0 for a fresh start). Rows an earlier process logged
+    after that step (it died before its next checkpoint, so those steps run again) are removed, as is a
+    torn last line, so that no step appears twice; the file is rewritten atomically and what was removed
+    is printed."""
+
+    def __init__(
+        self,
+        cfg: LoggingConfig,
+        run_dir: Path,
+        header: dict[str, Any],
+        config: dict[str, Any],
+        resume_step: int = 0,
+    ) -> None:
         self.cfg = cfg
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
-        fresh = not self.path.exists()
-        self.file = self.path.open("a")
-        if fresh:
-            self.file.write(json.dumps({"run": header}) + "\n")
+        lines = [json.dumps({"run": header})]
+        if self.path.exists():
+            lines = _continued(self.path, resume_step, lines[0])
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in lines))
+            os.replace(tmp, self.path)
+            self.file = self.path.open("a")
+        else:
+            self.file = self.path.open("w")
+            self.file.write(lines[0] + "\n")
             self.file.flush()
         self.wandb = None
         if cfg.wandb != "disabled":
@@ -97,6 +118,31 @@ class MetricsLogger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _continued(path: Path, resume_step: int, header: str) -> list[str]:
+    """The lines of an existing metrics file that a run continuing from `resume_step` keeps: its header (this
+    run's when starting afresh) and the rows up to that step; unreadable lines and later rows are dropped."""
+    kept, dropped, torn = [], 0, 0
+    old_header = None
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            torn += 1
+            print(f"metrics: {path}:{number}: not JSON (a write cut short), dropped", flush=True)
+            continue
+        if isinstance(record, dict) and "run" in record:
+            old_header = old_header or line
+        elif isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= resume_step:
+            kept.append(line)
+        else:
+            dropped += 1
+    if resume_step == 0:
+        kept, dropped = [], dropped + len(kept)
+    if dropped:
+        print(f"metrics: {path}: {dropped} rows after step {resume_step} dropped (they run again)", flush=True)
+    return [old_header if resume_step and old_header else header, *kept]
 
 
 def _plain(value: Any) -> Any:

@@ -4,7 +4,9 @@ Datasets are mixed by their configured weights; within a dataset prompts go in e
 fresh seeded permutation. Prompts retired by no-positive resampling (algo/filters.py) are skipped in all
 later epochs. The whole state (positions, epochs, the random generator, the retired set and pass-rate
 history) is plain data for checkpoints, so a resumed run draws exactly the prompts the uninterrupted
-run would have drawn.
+run would have drawn. Prompts drawn but not trained on yet (their groups generating or buffered when the
+checkpoint was taken) are part of that state: the caller reports each finished one (`done`), and a
+resumed run draws the others again, first, before continuing where the epoch was.
 """
 
 from __future__ import annotations
@@ -36,13 +38,17 @@ class CurriculumSampler:
         self.position = {s: 0 for s in self.sources}
         self.retired_skips = 0
         """Prompts skipped because they were retired (a metric)."""
+        self.outstanding: list[tuple[str, int]] = []
+        """(source, index) of the prompts drawn and not reported `done`, in the order drawn."""
+        self.replay: list[tuple[str, int]] = []
+        """Outstanding prompts of the checkpoint this sampler was restored from: drawn again first."""
 
     def _order(self, source: str) -> list[int]:
         order = list(range(len(self.train[source])))
         random.Random(f"{self.seed}:{source}:{self.epoch[source]}").shuffle(order)
         return order
 
-    def _next_from(self, source: str) -> Prompt:
+    def _next_from(self, source: str) -> int:
         prompts = self.train[source]
         order = self._order(source)
         for _ in range(2 * len(prompts) + 1):  # at most one full pass over the remaining and the next epoch
@@ -50,10 +56,10 @@ class CurriculumSampler:
                 self.epoch[source] += 1
                 self.position[source] = 0
                 order = self._order(source)
-            prompt = prompts[order[self.position[source]]]
+            index = order[self.position[source]]
             self.position[source] += 1
-            if self.no_positive.is_active(prompt.id):
-                return prompt
+            if self.no_positive.is_active(prompts[index].id):
+                return index
             self.retired_skips += 1
         raise RuntimeError(
             f"every prompt of {source} is retired by no-positive resampling (threshold "
@@ -61,8 +67,20 @@ class CurriculumSampler:
         )
 
     def next_prompt(self) -> Prompt:
-        source = self.rng.choices(self.sources, weights=self.weights)[0]
-        return self._next_from(source)
+        if self.replay:
+            source, index = self.replay.pop(0)
+        else:
+            source = self.rng.choices(self.sources, weights=self.weights)[0]
+            index = self._next_from(source)
+        self.outstanding.append((source, index))
+        return self.train[source][index]
+
+    def done(self, prompt: Prompt) -> None:
+        """`prompt` (as `next_prompt` returned it) was trained on, filtered or skipped: no longer outstanding."""
+        for i, (source, index) in enumerate(self.outstanding):
+            if self.train[source][index] is prompt:
+                del self.outstanding[i]
+                return
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -71,6 +89,7 @@ class CurriculumSampler:
             "position": dict(self.position),
             "retired_skips": self.retired_skips,
             "no_positive": self.no_positive.state_dict(),
+            "outstanding": [[source, index] for source, index in self.outstanding + self.replay],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -80,3 +99,12 @@ class CurriculumSampler:
         self.position = dict(state["position"])
         self.retired_skips = state["retired_skips"]
         self.no_positive.load_state_dict(state["no_positive"])
+        self.outstanding = []
+        self.replay = []
+        for source, index in state.get("outstanding", []):
+            if source not in self.train or not 0 <= index < len(self.train[source]):
+                raise ValueError(
+                    f"sampler state: outstanding prompt {source}[{index}] is not in the training data "
+                    "(the datasets changed since the checkpoint)"
+                )
+            self.replay.append((source, int(index)))

@@ -95,6 +95,15 @@ class TrainerWorker(Placed):
             self.sender.close()
 
 
+class TrainerDied(RuntimeError):
+    """A trainer rank's actor died."""
+
+    def __init__(self, rank: int, method: str, cause: BaseException) -> None:
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"trainer rank {rank} died during {method}: {reason}")
+        self.rank = rank
+
+
 class TrainerGroup:
     def __init__(self, run: RunConfig, run_dict: dict[str, Any]) -> None:
         import ray
@@ -113,7 +122,18 @@ class TrainerGroup:
         return await self.workers[0].rendezvous.remote()
 
     async def call(self, method: str, *args: Any) -> Any:
-        results = await asyncio.gather(*(getattr(w, method).remote(*args) for w in self.workers))
+        """`method` on every rank; rank 0's result. A rank whose actor died (killed, its node lost, OOM)
+        raises TrainerDied at once: the driver does not wait on the other ranks, which may be blocked in a
+        collective with the dead one (they are killed with the group)."""
+        import ray
+
+        async def one(rank: int, worker: Any) -> Any:
+            try:
+                return await getattr(worker, method).remote(*args)
+            except ray.exceptions.RayActorError as exc:
+                raise TrainerDied(rank, method, exc) from exc
+
+        results = await asyncio.gather(*(one(rank, w) for rank, w in enumerate(self.workers)))
         return results[0]
 
     def shutdown(self) -> None:

@@ -10,8 +10,10 @@ The loop (SCALERL.md §4) reads as the algorithm:
 
 Generation never waits for the trainer in `pipeline` mode: the rollout producer runs on this event loop
 while the trainer ranks (Ray actors) train and sync. Everything the run needs to continue after a
-kill — trainer state, sampler and curriculum state, step, compute clock — is in the checkpoint; groups
-that were buffered or in flight are regenerated on resume (counted in `train/regenerated_groups`).
+kill — trainer state, sampler and curriculum state, step, compute clock — is in the checkpoint; the
+prompts of groups that were buffered or in flight are drawn again first on resume (counted in
+`train/regenerated_groups`), and metrics rows logged after the checkpoint are dropped, so a run killed at
+any point (SIGKILL included) and started again with the same command trains and logs every step once.
 """
 
 from __future__ import annotations
@@ -68,6 +70,10 @@ def _report_data(splits: Splits) -> None:
     print("data: validation " + ", ".join(f"{task} {len(p)}" for task, p in splits.val.items()), flush=True)
 
 
+class RunStopped(RuntimeError):
+    """The run cannot go on (a trainer rank died); the message says why and where it can resume from."""
+
+
 class StopFlag:
     """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit."""
 
@@ -85,8 +91,22 @@ class StopFlag:
 
 
 def train(run: RunConfig) -> Path:
-    """Run (or resume) a ScaleRL training run; returns the run directory."""
-    return asyncio.run(_train(run))
+    """Run (or resume) a ScaleRL training run; returns the run directory. If this process is killed, even
+    with SIGKILL, the processes it started are ended too (orchestration/reaper.py)."""
+    import ray
+
+    from megatron_rl.orchestration.reaper import Reaper
+
+    reaper = Reaper.start()
+    started_ray = not ray.is_initialized()
+    try:
+        return asyncio.run(_train(run))
+    finally:
+        if started_ray and ray.is_initialized():
+            ray.shutdown()  # here, under the watcher's guard, not at interpreter exit
+        stragglers = reaper.stop(leftovers_grace_s=10.0)
+        if stragglers:
+            print(f"ended {stragglers} processes of the run still running after its shutdown", flush=True)
 
 
 async def _train(run: RunConfig) -> Path:
@@ -96,7 +116,7 @@ async def _train(run: RunConfig) -> Path:
     from megatron_rl.algo.filters import NoPositiveResampling
     from megatron_rl.data.sampler import CurriculumSampler
     from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
-    from megatron_rl.orchestration.actors import TrainerGroup
+    from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
     from megatron_rl.orchestration.engines import EngineGroup
     from megatron_rl.rewards.workers import RewardWorkers
     from megatron_rl.rollout.interruption import InterruptionTokens
@@ -166,7 +186,7 @@ async def _train(run: RunConfig) -> Path:
     header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
     header.update(device_kind=run.compute.device_kind, devices=devices)
     header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
-    logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run))
+    logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run), resume_step=step)
 
     async def validation() -> dict[str, float]:
         result = await validate(
@@ -224,6 +244,10 @@ async def _train(run: RunConfig) -> Path:
         if step >= run.total_steps and not stop:
             final = await validation()
             logger.log(step, {**final, "device_hours": clock.device_hours})
+    except TrainerDied as exc:
+        last = latest_checkpoint(run_dir / "checkpoints")
+        where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise RunStopped(f"{exc}. The run stops; {where}: run the same command to resume.") from exc
     finally:
         await pipeline.close()
         rewards.close()

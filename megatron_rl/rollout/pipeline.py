@@ -84,6 +84,8 @@ class SampledGroup:
     failures: list[str]
     start_version: int = 0
     """The policy version when the group was started: it is due `rollout.k` versions later."""
+    prompt: Prompt | None = None
+    """The prompt as the sampler gave it (reported back to it once the group is taken)."""
 
     @property
     def kept(self) -> bool:
@@ -217,7 +219,7 @@ class RolloutPipeline:
             passed = [p for _, p, _ in completions]
             failures = [f for _, _, f in completions if f]
             self.sampler.no_positive.update(prompt.id, passed)
-            self.buffer.append(SampledGroup(group, self._trained_part(group), passed, failures, start))
+            self.buffer.append(SampledGroup(group, self._trained_part(group), passed, failures, start, prompt))
         finally:
             self.generating[start] -= 1
             if not self.generating[start]:
@@ -248,6 +250,7 @@ class RolloutPipeline:
                 self.cfg.max_prompt_tokens,
             )
         self.long_prompts += 1
+        self.sampler.done(prompt)
         self._refill_round()
         self.slots.release()
 
@@ -303,6 +306,8 @@ class RolloutPipeline:
                     stats.waited_s += time.perf_counter() - started
                 continue
             self.slots.release()
+            if sampled.prompt is not None:
+                self.sampler.done(sampled.prompt)
             staleness = trainer_version - sampled.group.oldest_version
             if self.cfg.staleness == "drop" and staleness > self.cfg.k:
                 stats.stale_dropped += 1

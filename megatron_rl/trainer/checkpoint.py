@@ -66,7 +66,8 @@ def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], kee
     final, tmp = root / name, root / f".tmp_{name}"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for stale in root.glob(".tmp_step_*"):  # saves cut short by a kill (never pointed to by `latest`)
+            shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
     if not trainer.optimizer_has_state:

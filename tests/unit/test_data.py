@@ -100,7 +100,10 @@ def test_sampler_epochs_skip_retired_prompts_and_resume_exactly():
         DataConfig(datasets=[DatasetConfig(source="synthetic:arithmetic", limit=40)], val_prompts=0)
     ).train
     sampler = _sampler(train)
-    first_epoch = [sampler.next_prompt().id for _ in range(40)]
+    drawn = [sampler.next_prompt() for _ in range(40)]
+    for prompt in drawn:
+        sampler.done(prompt)  # every group trained on before the checkpoint
+    first_epoch = [p.id for p in drawn]
     assert len(set(first_epoch)) == 40
     sampler.no_positive.update(first_epoch[0], [True] * 10)
     state = json.loads(json.dumps(sampler.state_dict()))
@@ -109,6 +112,28 @@ def test_sampler_epochs_skip_retired_prompts_and_resume_exactly():
     resumed = _sampler(train)
     resumed.load_state_dict(state)
     assert [resumed.next_prompt().id for _ in range(60)] == rest
+
+
+def test_sampler_draws_prompts_not_trained_on_at_the_checkpoint_again_first():
+    """A checkpoint taken while groups were generating: a resumed sampler draws those prompts again, in the
+    order they were drawn, then continues exactly as the uninterrupted one."""
+    train = load_splits(
+        DataConfig(datasets=[DatasetConfig(source="synthetic:arithmetic", limit=40)], val_prompts=0)
+    ).train
+    sampler = _sampler(train)
+    drawn = [sampler.next_prompt() for _ in range(10)]
+    for prompt in drawn[:3] + drawn[5:8]:  # trained on; drawn[3:5] and drawn[8:] still in flight
+        sampler.done(prompt)
+    state = json.loads(json.dumps(sampler.state_dict()))
+    later = [sampler.next_prompt().id for _ in range(20)]
+
+    resumed = _sampler(train)
+    resumed.load_state_dict(state)
+    in_flight = [p.id for p in drawn[3:5] + drawn[8:]]
+    assert [resumed.next_prompt().id for _ in range(24)] == in_flight + later
+
+    with pytest.raises(ValueError, match=r"outstanding prompt synthetic:arithmetic\[99\]"):
+        _sampler(train).load_state_dict({**state, "outstanding": [["synthetic:arithmetic", 99]]})
 
 
 def test_sampler_mixes_by_weight():

@@ -1,0 +1,137 @@
+"""Nothing outlives a dead driver: a watcher process that ends every process of the run when the driver dies.
+
+    reaper = Reaper.start()     # in the driver, before anything else is started
+    ...                         # Ray, engines, reward workers, sandboxes: all inherit the run's tag
+    reaper.stop(10.0)           # a clean end: the watcher leaves; stragglers of the run's own shutdown
+                                # still alive after 10 s are killed here
+
+The driver tags its environment with a run id (`MEGATRON_RL_RUN_ID`) before it starts anything, so every
+process it starts inherits the tag: Ray's local head (GCS, raylet, the dashboard and runtime-env agents,
+the workers), the SGLang servers and their schedulers, the reward worker processes and the sandboxes they
+run. The watcher runs in a session of its own, without the tag, and blocks on the read end of a pipe
+whose write end only the driver holds. A driver that dies for any reason, SIGKILL included (the OOM
+killer, a lost `scancel --signal=KILL`), closes the pipe: the watcher then SIGKILLs every process that
+carries the tag, until none is left. A driver that ends cleanly writes a byte first and the watcher exits
+without a sweep; the driver has shut down what it started (Ray included, if it started Ray) and waits for
+its processes to be gone, killing any straggler itself. Until then the watcher stands guard, so a driver
+killed in the middle of its own shutdown leaves nothing either.
+
+Without the watcher, a SIGKILLed driver leaves Ray's dashboard and runtime-env agents and the reward
+workers running (measured on CPU: 5 of the 15 processes of a run; Ray's own fate sharing ends the rest).
+
+On a cluster (Ray started by the Slurm script) the watcher sweeps the driver's node: the reward workers and
+sandboxes. The trainer and engine actors on every node are Ray's: a job's actors die with its driver, and
+Ray ends a dead worker's child processes (the SGLang server). `/proc/<pid>/environ` is readable for the
+run's own user's processes, which are the only ones tagged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+TAG = "MEGATRON_RL_RUN_ID"
+CLEAN_EXIT = b"q"
+
+
+class Reaper:
+    def __init__(self, run_id: str, process: subprocess.Popen[bytes], write_fd: int) -> None:
+        self.run_id, self.process, self.write_fd = run_id, process, write_fd
+
+    @classmethod
+    def start(cls) -> Reaper:
+        """Tag this process's environment and start the watcher (its own session, untagged)."""
+        run_id = uuid.uuid4().hex
+        read_fd, write_fd = os.pipe()  # both close-on-exec: no child started later inherits the write end
+        env = {k: v for k, v in os.environ.items() if k != TAG}
+        process = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rl.orchestration.reaper", run_id, str(read_fd)],
+            pass_fds=(read_fd,),
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        os.close(read_fd)
+        os.environ[TAG] = run_id
+        return cls(run_id, process, write_fd)
+
+    def stop(self, leftovers_grace_s: float | None = None) -> int:
+        """A clean end: the watcher exits without a sweep and this process is untagged again. With
+        `leftovers_grace_s`, processes of the run still alive after that long (the run's own shutdown should
+        have ended them all: a reward worker slow to exit) are killed here; returns how many."""
+        if os.environ.get(TAG) == self.run_id:
+            del os.environ[TAG]
+        if self.write_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self.write_fd, CLEAN_EXIT)
+            os.close(self.write_fd)
+            self.write_fd = -1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=10)
+        if leftovers_grace_s is None:
+            return 0
+        deadline = time.monotonic() + leftovers_grace_s
+        while tagged(self.run_id) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return sweep(self.run_id, quiet_s=0.5)
+
+
+def tagged(run_id: str) -> set[int]:
+    """Pids of the processes whose environment carries the run's tag (this one excluded)."""
+    needle = f"{TAG}={run_id}".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.add(int(entry.name))
+    return found
+
+
+def sweep(run_id: str, timeout_s: float = 60.0, quiet_s: float = 3.0) -> int:
+    """SIGKILL the run's processes until none has been seen for `quiet_s` (a process being spawned when its
+    parent was killed, such as a Ray agent, appears a moment later) or `timeout_s` passed; returns how many
+    were killed."""
+    killed: set[int] = set()
+    start = last_seen = time.monotonic()
+    while time.monotonic() - last_seen < quiet_s and time.monotonic() - start < timeout_s:
+        alive = tagged(run_id)
+        if alive:
+            last_seen = time.monotonic()
+        for pid in alive:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        killed |= alive
+        time.sleep(0.1)
+    return len(killed)
+
+
+def main(argv: list[str]) -> int:
+    run_id, read_fd = argv[0], int(argv[1])
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the driver's terminal is the driver's to handle
+    message = b""
+    while True:
+        try:
+            chunk = os.read(read_fd, 1)
+        except InterruptedError:
+            continue
+        if not chunk:
+            break
+        message += chunk
+    if CLEAN_EXIT in message:
+        return 0
+    count = sweep(run_id)
+    if count:
+        print(f"megatron-rl: the driver died; ended {count} processes of its run", file=sys.stderr, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

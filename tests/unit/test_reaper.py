@@ -1,0 +1,104 @@
+"""A driver killed with SIGKILL takes the processes it started with it (orchestration/reaper.py).
+
+The driver here is a small Python process that starts the watcher, then children that would otherwise
+outlive it: each in a session of its own (as Ray's agents and the SGLang servers are), one of them a
+grandchild. Nothing is faked: the driver is SIGKILLed and the real watcher sweeps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+DRIVER = textwrap.dedent(
+    """
+    import subprocess, sys, time
+    from megatron_rl.orchestration.reaper import Reaper
+
+    reaper = Reaper.start()
+    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
+    spawn = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:], start_new_session=True); time.sleep(600)"
+    nested = [sys.executable, "-c", spawn, *sleeper]
+    children = [subprocess.Popen(sleeper, start_new_session=True), subprocess.Popen(nested, start_new_session=True)]
+    print(reaper.process.pid, *(c.pid for c in children), flush=True)
+    if sys.argv[1] == "clean":
+        reaper.stop()
+        print("stopped", flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def _tagged_pids(run_marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if run_marker.encode() in (entry / "environ").read_bytes():
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return [p for p in pids if _alive(p)]
+
+
+def _start_driver(mode: str) -> tuple[subprocess.Popen, list[int]]:
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, mode], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    reaper_pid, *children = map(int, driver.stdout.readline().split())
+    return driver, [reaper_pid, *children]
+
+
+def _wait_until(condition, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+def test_processes_started_by_a_sigkilled_driver_are_ended():
+    driver, (reaper, *children) = _start_driver("kill")
+    tag = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"MEGATRON_RL_RUN_ID=")[1].split(b"\0")[0]
+    # two children and a grandchild (/proc shows the driver's environment as it was at exec: untagged)
+    assert _wait_until(lambda: len(_tagged_pids(tag.decode())) == 3)
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    assert _wait_until(lambda: not _tagged_pids(tag.decode())), _tagged_pids(tag.decode())
+    assert _wait_until(lambda: not _alive(reaper))  # the watcher leaves after its sweep
+
+
+def test_a_clean_stop_leaves_the_processes_alone():
+    driver, (reaper, *children) = _start_driver("clean")
+    try:
+        assert driver.stdout.readline().strip() == "stopped"
+        assert _wait_until(lambda: not _alive(reaper))
+        assert all(_alive(pid) for pid in children)
+        assert "MEGATRON_RL_RUN_ID" not in os.environ
+    finally:
+        for pid in children:
+            os.kill(pid, signal.SIGKILL)
+        os.killpg(driver.pid, signal.SIGKILL)
+        driver.wait()
+
+
+@pytest.fixture(autouse=True)
+def _no_stray_tag():
+    os.environ.pop("MEGATRON_RL_RUN_ID", None)
+    yield
