@@ -134,10 +134,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.model, args.overrides)
     from megatron_rl.orchestration.train import RunStopped, train
+    from megatron_rl.trainer.checkpoint import CheckpointError
 
     try:
         run_dir = train(config)
-    except RunStopped as exc:
+    except (RunStopped, CheckpointError) as exc:
         print(f"megatron-rl: {exc}", file=sys.stderr)
         return 1
     print(f"run directory: {run_dir}")

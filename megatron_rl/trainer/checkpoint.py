@@ -38,13 +38,47 @@ def _barrier() -> None:
         dist.barrier()
 
 
+REQUIRED_FILES = ("megatron_rl.json", "run_state.pt", "metadata.json")
+"""What every complete checkpoint holds (metadata.json: megatron-core's dist_checkpointing index)."""
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoints directory cannot be resumed from as it is."""
+
+
+def incomplete(path: Path) -> list[str]:
+    """The files a complete checkpoint has and `path` lacks (empty when complete)."""
+    return [name for name in REQUIRED_FILES if not (path / name).is_file()]
+
+
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The newest complete checkpoint under `root`, or None when there is none at all.
+
+    `latest` names it. If what it names is missing or incomplete (files deleted or damaged by hand, a copy
+    cut short), the newest complete `step_*` directory is used instead, with a warning; if checkpoints
+    exist but none is complete, CheckpointError: a run must never silently start over."""
+    root = Path(root)
     marker = root / "latest"
-    if not marker.exists():
+    steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    if not marker.exists() and not steps:
         return None
-    path = root / marker.read_text().strip()
-    return path if path.is_dir() else None
+    named = root / marker.read_text().strip() if marker.exists() else None
+    if named is not None and named.is_dir() and not incomplete(named):
+        return named
+    problem = (
+        f"{marker} names {named.name}, which "
+        + ("does not exist" if not named.is_dir() else f"lacks {', '.join(incomplete(named))}")
+        if named is not None
+        else f"{marker} is missing"
+    )
+    for path in steps:
+        if not incomplete(path):
+            print(f"checkpoint: {problem}; resuming from {path.name}, the newest complete one", flush=True)
+            return path
+    raise CheckpointError(
+        f"{problem}, and no other checkpoint under {root} is complete (each lacks one of {list(REQUIRED_FILES)}): "
+        "restore the directory, or move it away to start the run afresh"
+    )
 
 
 def _sharded_state(trainer: Trainer, is_loading: bool, model_only: bool = False) -> dict[str, Any]:
