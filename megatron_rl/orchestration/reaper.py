@@ -61,10 +61,10 @@ class Reaper:
         os.environ[TAG] = run_id
         return cls(run_id, process, write_fd)
 
-    def stop(self, leftovers_grace_s: float | None = None) -> int:
+    def stop(self, leftovers_grace_s: float | None = None) -> list[str]:
         """A clean end: the watcher exits without a sweep and this process is untagged again. With
         `leftovers_grace_s`, processes of the run still alive after that long (the run's own shutdown should
-        have ended them all: a reward worker slow to exit) are killed here; returns how many."""
+        have ended them all: a reward worker slow to exit) are killed here; returns them ("pid command")."""
         if os.environ.get(TAG) == self.run_id:
             del os.environ[TAG]
         if self.write_fd >= 0:
@@ -75,7 +75,7 @@ class Reaper:
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=10)
         if leftovers_grace_s is None:
-            return 0
+            return []
         deadline = time.monotonic() + leftovers_grace_s
         while tagged(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -95,22 +95,25 @@ def tagged(run_id: str) -> set[int]:
     return found
 
 
-def sweep(run_id: str, timeout_s: float = 60.0, quiet_s: float = 3.0) -> int:
+def sweep(run_id: str, timeout_s: float = 60.0, quiet_s: float = 3.0) -> list[str]:
     """SIGKILL the run's processes until none has been seen for `quiet_s` (a process being spawned when its
-    parent was killed, such as a Ray agent, appears a moment later) or `timeout_s` passed; returns how many
-    were killed."""
-    killed: set[int] = set()
+    parent was killed, such as a Ray agent, appears a moment later) or `timeout_s` passed; returns what was
+    killed ("pid command")."""
+    killed: dict[int, str] = {}
     start = last_seen = time.monotonic()
     while time.monotonic() - last_seen < quiet_s and time.monotonic() - start < timeout_s:
         alive = tagged(run_id)
         if alive:
             last_seen = time.monotonic()
         for pid in alive:
+            if pid not in killed:
+                with contextlib.suppress(OSError):
+                    command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    killed[pid] = f"{pid} {command.strip()[:100]}"
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        killed |= alive
         time.sleep(0.1)
-    return len(killed)
+    return list(killed.values())
 
 
 def main(argv: list[str]) -> int:
@@ -127,9 +130,9 @@ def main(argv: list[str]) -> int:
         message += chunk
     if CLEAN_EXIT in message:
         return 0
-    count = sweep(run_id)
-    if count:
-        print(f"megatron-rl: the driver died; ended {count} processes of its run", file=sys.stderr, flush=True)
+    killed = sweep(run_id)
+    if killed:
+        print(f"megatron-rl: the driver died; ended {len(killed)} processes of its run", file=sys.stderr, flush=True)
     return 0
 
 

@@ -106,7 +106,9 @@ def train(run: RunConfig) -> Path:
             ray.shutdown()  # here, under the watcher's guard, not at interpreter exit
         stragglers = reaper.stop(leftovers_grace_s=10.0)
         if stragglers:
-            print(f"ended {stragglers} processes of the run still running after its shutdown", flush=True)
+            print(f"ended {len(stragglers)} processes of the run still running after its shutdown:", flush=True)
+            for line in stragglers:
+                print(f"  {line}", flush=True)
 
 
 async def _train(run: RunConfig) -> Path:

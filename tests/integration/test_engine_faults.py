@@ -147,11 +147,10 @@ def local_ray():
     ray.shutdown()
 
 
-# Known flaky (see the stop-11 note): passed in CI at 82f9966 and in the helper's runs, failed once at step 4
-# (the kill right before a push) on a loaded box. Still run every time; a failure is reported, not fatal,
-# until the push-retry race is found.
-@pytest.mark.xfail(strict=False, reason="push-fault retry occasionally fails under load; under investigation")
 def test_killed_engine_is_restarted_resynced_and_counted(tmp_path, monkeypatch, local_ray):
+    """Run repeatedly under two busy-looping processes on the 2-core machine (9-10 minutes a run there):
+    passes. Its earlier intermittent failure at the push fault was not reproduced in those runs; the push
+    path it exercised has since been rewritten (per-engine deadlines, SyncError naming the engine to restart)."""
     from megatron_rl.orchestration.train import train
 
     run = load_config("scalerl-cpu", None, [f"output_dir={tmp_path}", "name=faults", *SMALL])
@@ -175,7 +174,7 @@ def test_killed_engine_is_restarted_resynced_and_counted(tmp_path, monkeypatch, 
     # push path: one failed push, one more restart (not two: requests that saw the same death wait)
     last = steps[TOTAL_STEPS]
     assert steps[PUSH_FAULT_AT - 1]["rollout/sync_failures"] == 0
-    assert steps[PUSH_FAULT_AT]["rollout/sync_failures"] == 1 and last["rollout/sync_failures"] == 1
+    assert steps[PUSH_FAULT_AT]["rollout/sync_failures"] == 1
     assert steps[PUSH_FAULT_AT]["rollout/engine_restarts"] == 2
     # hung engine: the push failed at the deadline, not at NCCL's or gloo's own timeout; one more restart
     assert steps[HANG_AT]["rollout/sync_failures"] == 2 and last["rollout/sync_failures"] == 2
