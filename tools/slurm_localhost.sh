@@ -12,9 +12,16 @@ action=${1:-start}
 STATE=/var/spool/megatron_rl_slurm
 
 stop() {
+  # Jobs first: scancel has their steps' processes signalled and reaped by slurmstepd while slurmd is up
+  # (stopping the daemons alone leaves a running job's slurmstepd and its processes behind).
+  if pgrep -x slurmctld >/dev/null; then
+    scancel --full --quiet --user "$(id -un)" 2>/dev/null || true
+  fi
+  for _ in $(seq 100); do pgrep -x slurmstepd >/dev/null || break; sleep 0.2; done
+  pkill -9 -x slurmstepd 2>/dev/null || true
   pkill -x slurmd 2>/dev/null || true
   pkill -x slurmctld 2>/dev/null || true
-  sleep 1
+  for _ in $(seq 50); do pgrep -x 'slurmd|slurmctld' >/dev/null || break; sleep 0.2; done
 }
 
 if [ "$action" = stop ]; then stop; exit 0; fi

@@ -547,7 +547,8 @@ def as_generate_fn(client: SGLangClient, sampling: SamplingConfig) -> GenerateFn
 
 def _retryable(exc: EngineError) -> bool:
     # A 4xx is the request's fault (e.g. a prompt over the context length): another engine says the same.
-    return not isinstance(exc, EngineRequestError) or exc.status >= 500
+    # A garbled answer (status 200 that does not parse) is the engine's: retried, like a 5xx.
+    return not isinstance(exc, EngineRequestError) or exc.status >= 500 or exc.status == 200
 
 
 class EngineBalancer:

@@ -13,7 +13,7 @@ import time
 from typing import cast
 
 from megatron_rl.config import SamplingConfig
-from megatron_rl.rollout.sglang import EngineBalancer, EngineTimeoutError, SGLangClient
+from megatron_rl.rollout.sglang import EngineBalancer, EngineRequestError, EngineTimeoutError, SGLangClient
 
 TOL_S = 0.01
 
@@ -142,3 +142,36 @@ def test_failed_attempt_counts_until_it_fails_and_retry_is_accounted_on_the_othe
     for client, seconds in zip(clients, balancer.busy_seconds(), strict=True):
         assert len(client.intervals) == 1
         assert abs(seconds - union_length(client.intervals)) < TOL_S
+
+
+class GarblingClient(FakeClient):
+    """Answers its first request with something that is not a generation (EngineRequestError, status 200)."""
+
+    async def generate(self, input_ids: list[int], max_new_tokens: int, stop_ids: list[int], sampling: object) -> str:
+        if not self.intervals:
+            self.intervals.append((time.monotonic(), time.monotonic()))
+            raise EngineRequestError(self.url, "/generate: malformed answer (KeyError('meta_info'))", 200)
+        return await super().generate(input_ids, max_new_tokens, stop_ids, sampling)
+
+
+def test_a_garbled_answer_is_counted_and_retried_and_a_bad_request_is_not() -> None:
+    async def scenario() -> tuple[object, EngineBalancer]:
+        balancer = make_balancer([GarblingClient("a", [0.01] * 3), FakeClient("b", [0.01] * 3)], max_retries=1)
+        return await balancer([1, 2, 3], 8, []), balancer
+
+    answer, balancer = asyncio.run(scenario())
+    assert answer == "b"  # the same request, answered by the other engine
+    assert balancer.metrics()["rollout/engine_failures"] == 1 and balancer.metrics()["rollout/engine_retries"] == 1
+
+    class Refusing(FakeClient):
+        async def generate(self, *args: object) -> str:
+            raise EngineRequestError(self.url, "/generate: HTTP 400: prompt too long", 400)
+
+    async def refused() -> None:
+        await make_balancer([Refusing("a", []), FakeClient("b", [0.01])], max_retries=2)([1], 8, [])
+
+    try:
+        asyncio.run(refused())
+        raise AssertionError("a 400 was retried")
+    except EngineRequestError as exc:
+        assert exc.status == 400
