@@ -300,10 +300,12 @@ class WeightSender:
                 pending = bucket
             total += self._broadcast(pending, version=version)
             self._all("end_weight_update")
-        except Exception:
+        except Exception as exc:
             # SGLang refuses begin_weight_update while a session is open: close it on the engines that
-            # are still up, so that a retry (after a dead engine was restarted) can open a new one.
-            self._try_all("end_weight_update")
+            # are still up, so that a retry (after a dead engine was restarted) can open a new one. The
+            # engines the error names (dead or hung) are skipped: waiting on a hung one again would double
+            # the time the push takes to fail.
+            self._try_all("end_weight_update", skip=getattr(exc, "engines", ()))
             raise
         return total, count + 1
 
@@ -328,11 +330,13 @@ class WeightSender:
                 stacklevel=2,
             )
 
-    def _try_all(self, call: str) -> None:
-        """`call` on every engine, best effort: errors (dead engine, no session open) are ignored."""
+    def _try_all(self, call: str, skip: Iterable[int] = ()) -> None:
+        """`call` on every engine but `skip`, best effort: errors (dead engine, no session open) are ignored."""
+        skipped = set(skip)
+        clients = [c for i, c in enumerate(self.clients) if i not in skipped]
 
         async def everyone() -> None:
-            await asyncio.gather(*(getattr(c, call)() for c in self.clients), return_exceptions=True)
+            await asyncio.gather(*(getattr(c, call)() for c in clients), return_exceptions=True)
 
         with contextlib.suppress(TimeoutError):
             self._submit(everyone()).result(timeout=min(self.timeout_s, 60.0))

@@ -148,9 +148,10 @@ def local_ray():
 
 
 def test_killed_engine_is_restarted_resynced_and_counted(tmp_path, monkeypatch, local_ray):
-    """Run repeatedly under two busy-looping processes on the 2-core machine (9-10 minutes a run there):
-    passes. Its earlier intermittent failure at the push fault was not reproduced in those runs; the push
-    path it exercised has since been rewritten (per-engine deadlines, SyncError naming the engine to restart)."""
+    """Strict. On the 2-core machine with two busy-looping processes beside it (9-10 minutes a run there) it
+    passed 3 runs out of 3 in a row, after the push path it exercises was rewritten (per-engine deadlines,
+    SyncError naming the engine to restart, a hung engine skipped when the update session is closed);
+    before that rewrite it failed intermittently at the push fault."""
     from megatron_rl.orchestration.train import train
 
     run = load_config("scalerl-cpu", None, [f"output_dir={tmp_path}", "name=faults", *SMALL])
@@ -313,8 +314,8 @@ def test_a_hung_engine_fails_the_push_within_the_sync_timeout_and_is_named(tmp_p
             senders[0].send(stopped_stream(), version=2)
         failed_after = time.monotonic() - started
         assert failure.value.engines == [0]
-        # one deadline for the bucket, plus at most one more to close the engines' update session
-        assert failed_after < 2 * timeout + 5, failed_after
+        # one deadline for the bucket; the hung engine's update session is not waited on a second time
+        assert timeout - 1 < failed_after < timeout + 4, failed_after
         assert server.alive()  # stopped, not dead: only the deadline could tell
 
         os.killpg(server.pid, signal.SIGKILL)  # what EngineGroup does with an engine a SyncError names
