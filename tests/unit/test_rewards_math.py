@@ -1,5 +1,9 @@
 """Math reward: thinking stripped, boxed and plain answers, failures counted, exceptions contained."""
 
+import time
+
+import math_verify.grader
+import math_verify.parser
 import pytest
 
 from megatron_rl.config import RewardsConfig
@@ -41,3 +45,27 @@ def test_a_raising_reward_function_is_a_counted_failure(monkeypatch):
     monkeypatch.setitem(REWARDS, "math", broken)
     result = score("\\boxed{2}", Prompt("p", "math", "1+1?", "2"), CFG)
     assert (result.reward, result.passed, result.failure) == (CFG.incorrect, False, "reward_error")
+
+
+def _stuck(*args, **kwargs):
+    time.sleep(30)  # interrupted by Math-Verify's own SIGALRM timeout
+
+
+def test_a_comparison_past_math_verify_timeout_is_a_timeout_not_a_wrong_answer(monkeypatch):
+    # "4/2" matches "2" only symbolically (its string parse does not): that comparison hangs.
+    monkeypatch.setattr(math_verify.grader, "sympy_expr_eq", _stuck)
+    result = math_reward("</think>\\boxed{4/2}", "2", RewardsConfig(math_timeout_s=1))
+    assert (result.reward, result.passed, result.failure) == (CFG.incorrect, False, "timeout")
+
+
+def test_a_parse_past_math_verify_timeout_is_a_timeout_not_no_answer(monkeypatch):
+    monkeypatch.setattr(math_verify.parser, "extract_target_from_pred", _stuck)
+    result = math_reward("</think>\\boxed{2}", "2", RewardsConfig(math_timeout_s=1))
+    assert (result.reward, result.passed, result.failure) == (CFG.incorrect, False, "timeout")
+
+
+def test_a_timed_out_comparison_does_not_hide_a_match(monkeypatch):
+    # The string parses "2" and "2" match even though the symbolic comparison hangs.
+    monkeypatch.setattr(math_verify.grader, "sympy_expr_eq", _stuck)
+    result = math_reward("</think>\\boxed{2}", "2", RewardsConfig(math_timeout_s=1))
+    assert (result.passed, result.failure) == (True, None)
