@@ -8,16 +8,20 @@ formats, all a dict in `Prompt.tests` (data/datasets.py):
 - stdin/stdout (APPS/TACO/DeepCoder `input_output`): {"inputs": ["5\\n", ...], "outputs": ["19\\n", ...]}.
   One sandbox run per case; outputs are compared as whitespace-normalised lines (each line's runs of
   whitespace collapsed, leading/trailing blank lines ignored), as code-RL graders do.
-- call-based: {"fn_name": "f", "inputs": [[arg, ...], ...], "outputs": [value, ...]}. The function is
-  `f` at top level, or a method of `class Solution` (LeetCode style). An input given as a string is
-  LiveCodeBench's form, one JSON value per line; an output wrapped in a one-element list also matches
-  (TACO stores them so). All cases run in one sandbox run; only the inputs enter the sandbox, the
-  returned values are compared on the host (after a JSON round trip: tuples read as lists).
+- call-based: {"fn_name": "f", "inputs": [[arg, ...], ...], "outputs": [value, ...]} (APPS/TACO): each
+  input is the argument list and each output the value itself, compared as it is (an expected string
+  "21" is the string, never the number). The function is `f` at top level, or a method of
+  `class Solution` (LeetCode style). An output wrapped in a one-element list also matches (TACO stores
+  them so). All cases run in one sandbox run; only the inputs enter the sandbox, the returned values are
+  compared on the host (after a JSON round trip: tuples read as lists).
 - assert-based: {"asserts": ["assert f(1) == 2", ...]}: each statement runs after the program, in its
   namespace, in one sandbox run.
 
 DeepCoder's per-case lists ([{"input", "output", "testtype", "metadata": {"func_name"}}, ...]) are
-converted to these forms (`from_case_list`).
+converted to these forms once, when the dataset row is loaded (`from_case_list`). Their functional
+(call-based) cases are LiveCodeBench's, whose inputs (one argument per line) and outputs are JSON text:
+that text is decoded there, and a case that is not JSON text is an error naming the case. JSON text is
+decoded nowhere else.
 
 Reward: `cfg.correct` if every test passes, else `cfg.incorrect`; with `code_partial_credit` it is
 interpolated by the fraction of tests passed. The failure reason is that of the first failing test:
@@ -121,9 +125,7 @@ def code_reward(completion: str, tests: dict[str, Any] | list[dict[str, Any]], c
     if "asserts" in tests:
         outcomes = _run_harness(program, "assert", list(tests["asserts"]), [None] * len(tests["asserts"]), cfg)
     elif "fn_name" in tests and tests["fn_name"]:
-        inputs = [_call_args(x) for x in tests["inputs"]]
-        expected = [_call_value(y) for y in tests["outputs"]]
-        outcomes = _run_harness(program, "call", inputs, expected, cfg, fn_name=tests["fn_name"])
+        outcomes = _run_harness(program, "call", tests["inputs"], tests["outputs"], cfg, fn_name=tests["fn_name"])
     else:
         outcomes = _run_stdio(program, [_text(x) for x in tests["inputs"]], [_text(y) for y in tests["outputs"]], cfg)
     failures = [outcome for outcome in outcomes if outcome is not None]
@@ -138,20 +140,30 @@ def code_reward(completion: str, tests: dict[str, Any] | list[dict[str, Any]], c
 def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """DeepCoder's per-case lists (LiveCodeBench, Codeforces, PrimeIntellect rows) as the dict form.
 
-    [{"input": "1 2", "output": "3"}, ...]                                   -> stdin/stdout
+    [{"input": "1 2", "output": "3"}, ...]                  -> {"inputs": ["1 2"], "outputs": ["3"]}
     [{"input": "[1, 2]\n3", "output": "[0]", "testtype": "functional",
-      "metadata": {"func_name": "f"}}, ...]                                  -> call-based
+      "metadata": {"func_name": "f"}}, ...]                 -> {"fn_name": "f", "inputs": [[[1, 2], 3]],
+                                                                "outputs": [[0]]}
+
+    Functional cases hold JSON text (LiveCodeBench's format: one argument per input line, one value as
+    output), decoded here: `"output": "21"` is the number 21, `"output": "\"21\""` the string "21". A
+    functional input or output that is not a string of JSON text raises ValueError naming the case, as
+    does a list that mixes test types.
     """
     if not cases or not all(isinstance(case, dict) and "input" in case and "output" in case for case in cases):
         raise ValueError("code tests given as a list need {'input': ..., 'output': ...} cases")
+    testtypes = {case["testtype"] for case in cases if case.get("testtype")}
+    if len(testtypes) > 1:
+        raise ValueError(f"code tests: a case list mixes test types {sorted(map(str, testtypes))}")
     first = cases[0]
     fn_name = first.get("fn_name") or (first.get("metadata") or {}).get("func_name")
-    if first.get("testtype") == "functional" and not fn_name:
+    if "functional" in testtypes and not fn_name:
         raise ValueError("code tests: a functional case list needs metadata.func_name")
-    tests: dict[str, Any] = {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
-    if fn_name:
-        tests["fn_name"] = fn_name
-    return tests
+    if not fn_name:
+        return {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
+    inputs = [_functional_args(case["input"], index) for index, case in enumerate(cases)]
+    outputs = [_json(case["output"], index, "output") for index, case in enumerate(cases)]
+    return {"fn_name": fn_name, "inputs": inputs, "outputs": outputs}
 
 
 def normalise_tests(tests: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
@@ -176,28 +188,36 @@ def _check_tests(tests: dict[str, Any]) -> None:
     if not tests["inputs"] or len(tests["inputs"]) != len(tests["outputs"]):
         counts = f"{len(tests['inputs'])} inputs, {len(tests['outputs'])} outputs"
         raise ValueError(f"code tests need as many outputs as inputs, at least one; got {counts}")
+    if tests.get("fn_name"):
+        for index, args in enumerate(tests["inputs"]):
+            if not isinstance(args, list):
+                raise ValueError(
+                    f"code tests: call-based input {index} must be the list of arguments, got {type(args).__name__}"
+                    " (JSON text, as LiveCodeBench stores it, belongs in a case list with testtype 'functional')"
+                )
+
+
+def _functional_args(text: Any, index: int) -> list[Any]:
+    """A functional case's input: one JSON argument per line."""
+    if not isinstance(text, str):
+        raise ValueError(f"code tests: case {index}: functional 'input' must be JSON text, got {type(text).__name__}")
+    return [_json(line, index, "input") for line in text.splitlines() if line.strip()]
+
+
+def _json(text: Any, index: int, field: str) -> Any:
+    if not isinstance(text, str):
+        raise ValueError(f"code tests: case {index}: functional '{field}' must be JSON text, got {type(text).__name__}")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"code tests: case {index}: functional '{field}' is not JSON text ({exc}): {text[:80]!r}"
+        ) from None
 
 
 def _text(value: Any) -> str:
     """A stdin/stdout case as text: some datasets store a case as a list of lines."""
     return "\n".join(str(v) for v in value) if isinstance(value, list) else str(value)
-
-
-def _call_args(value: Any) -> list[Any]:
-    if isinstance(value, str):  # LiveCodeBench: one JSON argument per line
-        return [json.loads(line) for line in value.splitlines() if line.strip()]
-    if not isinstance(value, list):
-        raise ValueError(f"call-based inputs must be argument lists, got {type(value).__name__}")
-    return value
-
-
-def _call_value(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            return value
-    return value
 
 
 def _matches(got: Any, expected: Any) -> bool:

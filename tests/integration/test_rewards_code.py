@@ -81,13 +81,31 @@ def test_assert_based_tests():
 
 @needs_isolation
 def test_call_based_dataset_quirks():
-    # LeetCode-style class, LiveCodeBench-style JSON-lines inputs, TACO-style wrapped outputs, tuples.
-    tests = {"fn_name": "twoSum", "inputs": ["[2, 7, 11]\n9", [[3, 3], 6]], "outputs": ["[0, 1]", [[0, 1]]]}
+    # LeetCode-style class, TACO-style wrapped outputs, tuples; LiveCodeBench's JSON-lines case list.
+    tests = {"fn_name": "twoSum", "inputs": [[[2, 7, 11], 9], [[3, 3], 6]], "outputs": [[0, 1], [[0, 1]]]}
     program = "class Solution:\n    def twoSum(self, nums, target):\n        return (0, 1)"
     assert code_reward(fenced(program), tests, CFG).passed
+    lcb = [
+        {"input": "[2, 7, 11]\n9", "output": "[0, 1]", "testtype": "functional", "metadata": {"func_name": "twoSum"}}
+    ]
+    assert code_reward(fenced(program), lcb, CFG).passed
     # A `__main__` block reading stdin is not run for call-based tests.
     program = "def f(x):\n    return 3 * x + 4\nif __name__ == '__main__':\n    print(f(int(input())))"
     assert code_reward(fenced(program), CALL, CFG).passed
+
+
+@needs_isolation
+def test_expected_values_are_compared_as_the_values_they_are():
+    returns_text, returns_number = "def f(x):\n    return '21'", "def f(x):\n    return 21"
+    # TACO/APPS store values: the expected string "21" is a string, not JSON text for the number 21.
+    taco = {"fn_name": "f", "inputs": [[1]], "outputs": ["21"]}
+    assert code_reward(fenced(returns_text), taco, CFG).passed
+    assert code_reward(fenced(returns_number), taco, CFG).failure == "wrong_answer"
+    # LiveCodeBench stores JSON text: '"21"' is the string, '21' the number.
+    for output, right, wrong in [('"21"', returns_text, returns_number), ("21", returns_number, returns_text)]:
+        lcb = [{"input": "1", "output": output, "testtype": "functional", "metadata": {"func_name": "f"}}]
+        assert code_reward(fenced(right), lcb, CFG).passed, output
+        assert code_reward(fenced(wrong), lcb, CFG).failure == "wrong_answer", output
 
 
 @needs_isolation
