@@ -4,7 +4,9 @@
     REWARDS["code"](completion_text, prompt, cfg) -> RewardResult   (rewards/code.py, in the sandbox)
 
 `score` is what the pipeline calls: it looks the task up and turns an exception inside a reward
-function into a counted failure ('reward_error') with the incorrect reward, never a crash.
+function into a counted failure ('reward_error') with the incorrect reward, never a crash. `time_bound_s`
+is the longest `score` takes on a prompt when nothing hangs (rewards/workers.py presumes a worker past
+it, plus a margin, hung).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from collections.abc import Callable
 
 from megatron_rl.config import RewardsConfig
 from megatron_rl.data.datasets import Prompt
-from megatron_rl.rewards.code import code_reward
-from megatron_rl.rewards.math import RewardResult, math_reward
+from megatron_rl.rewards.code import code_reward, code_time_bound_s
+from megatron_rl.rewards.math import RewardResult, math_reward, math_time_bound_s
 from megatron_rl.rewards.sandbox import SandboxUnavailable
 
 log = logging.getLogger(__name__)
@@ -37,6 +39,19 @@ REWARDS: dict[str, RewardFn] = {
     "math": _math,
     "code": _code,
 }
+
+TIME_BOUNDS: dict[str, Callable[[Prompt, RewardsConfig], float]] = {
+    "math": lambda prompt, cfg: math_time_bound_s(cfg),
+    "code": lambda prompt, cfg: code_time_bound_s(prompt.tests or {}, cfg),
+}
+"""Per task: the longest its reward function takes on a prompt when nothing hangs, in seconds."""
+
+
+def time_bound_s(prompt: Prompt, cfg: RewardsConfig) -> float:
+    """The longest `score` takes on this prompt when nothing hangs."""
+    if prompt.task not in TIME_BOUNDS:
+        raise ValueError(f"task {prompt.task!r} of prompt {prompt.id} has no time bound; known: {list(TIME_BOUNDS)}")
+    return TIME_BOUNDS[prompt.task](prompt, cfg)
 
 
 def score(completion: str, prompt: Prompt, cfg: RewardsConfig) -> RewardResult:

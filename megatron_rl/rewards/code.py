@@ -34,6 +34,7 @@ Synchronous (it blocks on the sandbox pool), so call it from a reward worker pro
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -135,6 +136,19 @@ def code_reward(completion: str, tests: dict[str, Any] | list[dict[str, Any]], c
         passed = outcomes.count(None) / len(outcomes)
         return RewardResult(cfg.incorrect + (cfg.correct - cfg.incorrect) * passed, False, failures[0])
     return RewardResult(cfg.incorrect, False, failures[0])
+
+
+def code_time_bound_s(tests: dict[str, Any] | list[dict[str, Any]], cfg: RewardsConfig) -> float:
+    """The longest `code_reward` takes on these tests without a hang: its sandbox runs (one per stdin/stdout
+    case, else one), in waves of `sandbox.workers`, each bounded by the sandbox's wall time plus a second to
+    start and kill it."""
+    if isinstance(tests, list):
+        runs = len(tests)  # at most one run per case
+    elif tests.get("asserts") or tests.get("fn_name"):
+        runs = 1
+    else:
+        runs = len(tests.get("inputs") or ())
+    return math.ceil(max(runs, 1) / cfg.sandbox.workers) * (cfg.sandbox.wall_time_s + 1.0)
 
 
 def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:

@@ -67,6 +67,11 @@ def math_reward(completion: str, answer: str, cfg: RewardsConfig) -> RewardResul
     return RewardResult(cfg.incorrect, False, "wrong_answer")
 
 
+def math_time_bound_s(cfg: RewardsConfig) -> float:
+    """The longest `math_reward` takes without a hang: two parses and up to 2 x 2 comparisons, each bounded."""
+    return 6.0 * _timeout(cfg)
+
+
 def _timeout(cfg: RewardsConfig) -> int:
     return max(1, int(cfg.math_timeout_s))  # SIGALRM counts whole seconds
 
