@@ -590,6 +590,13 @@ class RewardsConfig:
     math_timeout_s: float = 5.0
     code_partial_credit: bool = False
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    processes: int = 2
+    """Reward worker processes on the driver's node (each scores one completion at a time; a code reward's
+    sandboxes run inside its worker, `sandbox.workers` at a time)."""
+
+    def __post_init__(self) -> None:
+        if self.processes < 1:
+            _fail("processes", f"must be >= 1, got {self.processes}")
 
 
 @dataclass

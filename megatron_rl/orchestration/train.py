@@ -178,7 +178,7 @@ async def _train(run: RunConfig) -> Path:
     if checkpoint is not None:
         await engines.push_weights(trainers, step)
 
-    rewards = RewardWorkers(run.rewards, processes=2)
+    rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
     pipeline = RolloutPipeline(
         run.rollout, run.algo, sampler, rewards, engines.generate, encoder, tokens, seed=run.seed + step
     )
@@ -239,6 +239,7 @@ async def _train(run: RunConfig) -> Path:
                     pipeline.release_round()
             row.update({"time/step_s": time.perf_counter() - started, "train/regenerated_groups": regenerated})
             row.update(engines.metrics())
+            row.update(rewards.metrics())
             row["device_hours"] = clock.device_hours
             logger.log(step, row)
             if step % run.checkpoint.every_steps == 0 or stop or step == run.total_steps:

@@ -123,6 +123,10 @@ class RewardWorkers:
         """The worker processes' ids."""
         return [worker.process.pid for worker in self._workers]
 
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counts of reward worker processes replaced (a crash, a hang) for the step's row."""
+        return {"rewards/worker_crashes": float(self.pool_restarts), "rewards/hung_workers": float(self.hung_workers)}
+
     def close(self) -> None:
         for worker in self._workers:
             worker.stop()
