@@ -75,11 +75,18 @@ class RunStopped(RuntimeError):
 
 
 class StopFlag:
-    """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit."""
+    """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit.
+
+    `ray.init` installs Ray's own SIGTERM handler in the driver (it ends the process at once), so `install`
+    runs again once Ray is up."""
 
     def __init__(self, enabled: bool) -> None:
         self.signal: str | None = None
-        if enabled:
+        self.enabled = enabled
+        self.install()
+
+    def install(self) -> None:
+        if self.enabled:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._handle)
 
@@ -154,6 +161,7 @@ async def _train(run: RunConfig) -> Path:
         # running on this machine (another run's, another user's) and fail on its auth token.
         address = "auto" if _ray_cluster() else "local"
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    stop.install()  # over Ray's handler
     trainers = TrainerGroup(run, dataclasses.asdict(run))
     engines = EngineGroup(run, policy, run_dir)
     await engines.start()

@@ -124,3 +124,29 @@ def test_sigkilled_driver_leaves_nothing_behind_and_resumes_exactly(tmp_path):
         consumed,
         len(sampler["outstanding"]),
     )
+
+
+def test_sigterm_checkpoints_at_the_end_of_the_step_and_exits_cleanly(tmp_path):
+    """SIGTERM (`kill`, `scancel` without a signal, a container stop) reaches the run even though `ray.init`
+    installs Ray's own handler in the driver: the run checkpoints the step it is in, says so and exits 0."""
+    marker = f"driver-term-{uuid.uuid4().hex}"
+    env = dict(os.environ, PYTHONWARNINGS="ignore", WANDB_MODE="disabled", MEGATRON_RL_TEST_MARKER=marker)
+    command = [sys.executable, "-m", "megatron_rl.cli", "train", "--recipe", "scalerl-cpu"]
+    command += [f"output_dir={tmp_path}", "name=term", *ARGS, "total_steps=400", "checkpoint.every_steps=1000"]
+    metrics = tmp_path / "term" / "metrics.jsonl"
+    log = (tmp_path / "term.log").open("w")
+    driver = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def trained() -> list[int]:
+        lines = metrics.read_text().splitlines()[1:] if metrics.exists() else []
+        return [json.loads(line)["step"] for line in lines if '"train/loss"' in line]
+
+    _wait(lambda: len(trained()) >= 2 or driver.poll() is not None, 600, "two training steps")
+    assert driver.poll() is None, Path(log.name).read_text()[-5000:]
+    os.kill(driver.pid, signal.SIGTERM)
+    assert driver.wait(timeout=300) == 0, Path(log.name).read_text()[-5000:]
+    text = Path(log.name).read_text()
+    assert "stopped by SIGTERM" in text, text[-5000:]
+    last = max(trained())
+    assert _latest(tmp_path / "term" / "checkpoints") == f"step_{last:08d}"
+    _wait(lambda: not _run_processes(marker), 30, "the run's processes to end")
