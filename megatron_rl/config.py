@@ -385,8 +385,14 @@ class AlgoConfig:
     """Completions that hit the answer budget: exclude = left out of the effective batch and of their group's
     advantages (the paper's appendix: the effective batch after excluding truncated samples), counted in
     `train/truncated_excluded`; keep = trained on with their reward (-1 when unanswered)."""
+    max_empty_batches: int = 20
+    """Stop the run (checkpoint kept) after this many batches in a row in which the zero-variance filter left
+    nothing to train on: the policy has collapsed or the data is all too hard or too easy, and the run would
+    otherwise sample forever without a step (ours; verl's DAPO stops the same way). 0 = never stop."""
 
     def __post_init__(self) -> None:
+        if self.max_empty_batches < 0:
+            _fail("max_empty_batches", f"must be >= 0, got {self.max_empty_batches}")
         low, high = LOSS_DEFAULT_EPS[self.loss]
         if self.eps_low is None:
             self.eps_low = low

@@ -74,6 +74,19 @@ class RunStopped(RuntimeError):
     """The run cannot go on (a trainer rank died); the message says why and where it can resume from."""
 
 
+class EmptyBatches(Exception):
+    """`algo.max_empty_batches` batches in a row left nothing to train on."""
+
+    def __init__(self, step: int, streak: int, stats: dict[str, float]) -> None:
+        passed = stats.get("train/pass_rate")
+        rate = f"pass rate {passed:.2f}" if passed is not None else "no pass rate"
+        super().__init__(
+            f"{streak} batches in a row after step {step} had no group with differing rewards ({rate} in the "
+            "last): every group was filtered as zero-variance, so no step was taken. The policy has collapsed "
+            "or the data is all too hard or too easy; raise algo.max_empty_batches (0: never stop) to go on"
+        )
+
+
 class StopFlag:
     """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit.
 
@@ -224,7 +237,7 @@ async def _train(run: RunConfig) -> Path:
     if engines.balancer is not None:
         engines.balancer.reset_usage()  # generator idle share over the loop, not the start-up
     pipeline.start()
-    validated, empty_batches = -1, 0
+    validated, empty_batches, empty_streak = -1, 0, 0
     try:
         while step < run.total_steps and not stop:
             started = time.perf_counter()
@@ -236,9 +249,13 @@ async def _train(run: RunConfig) -> Path:
             row.update(stats.as_metrics())
             if groups:
                 row.update(await trainers.call("train_step", groups))
+                empty_streak = 0
             else:  # every group was zero-variance: no optimizer step this round (logged, counted)
-                empty_batches += 1
+                empty_batches, empty_streak = empty_batches + 1, empty_streak + 1
             row["train/empty_batches"] = float(empty_batches)
+            if run.algo.max_empty_batches and empty_streak >= run.algo.max_empty_batches:
+                logger.log(step, {**row, "device_hours": clock.device_hours})
+                raise EmptyBatches(step, empty_streak, stats.as_metrics())
             step = await trainers.call("version")
             if run.rollout.mode == "pipeline" or step % run.rollout.k == 0:
                 row.update(await engines.push_weights(trainers, step))
@@ -259,6 +276,10 @@ async def _train(run: RunConfig) -> Path:
         last = latest_checkpoint(run_dir / "checkpoints")
         where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
         raise RunStopped(f"{exc}. The run stops; {where}: run the same command to resume.") from exc
+    except EmptyBatches as exc:
+        last = latest_checkpoint(run_dir / "checkpoints")
+        where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
+        raise RunStopped(f"{exc}; {where}") from exc
     finally:
         await pipeline.close()
         rewards.close()
