@@ -42,11 +42,17 @@ class CurriculumSampler:
         """(source, index) of the prompts drawn and not reported `done`, in the order drawn."""
         self.replay: list[tuple[str, int]] = []
         """Outstanding prompts of the checkpoint this sampler was restored from: drawn again first."""
+        self._orders: dict[str, tuple[tuple[str, int], list[int]]] = {}
 
     def _order(self, source: str) -> list[int]:
-        order = list(range(len(self.train[source])))
-        random.Random(f"{self.seed}:{source}:{self.epoch[source]}").shuffle(order)
-        return order
+        """The source's order in its current epoch: a function of (seed, source, epoch), so a restored sampler
+        draws the same; computed once per epoch (a shuffle of the whole source per prompt cost the driver)."""
+        key = (source, self.epoch[source])
+        if self._orders.get(source, (None, None))[0] != key:
+            order = list(range(len(self.train[source])))
+            random.Random(f"{self.seed}:{source}:{self.epoch[source]}").shuffle(order)
+            self._orders[source] = (key, order)
+        return self._orders[source][1]
 
     def _next_from(self, source: str) -> int:
         prompts = self.train[source]
