@@ -1,0 +1,124 @@
+"""SGLang on CPU, standalone, on the default run's request shape: the throughput the loop's generator is held to.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_engine.py [--prompts 256] [--variants default skip-tokenizer-init]
+
+One `SGLangServer` serving the warmed-up `cpu_demo` policy of the default run (`scalerl-cpu`), fed by the
+project's own client (`SGLangClient.generate`, one HTTP request per completion, as the loop sends them):
+prompts from the run's training split, encoded as the run encodes them, `generations_per_prompt` samples
+each at temperature 1, up to `--tokens` new tokens (ignore_eos, so every variant generates the same count),
+with `--concurrency` requests outstanding (the loop keeps about two batches of groups in flight: 2 x 16 x 8).
+Variants differ only in SGLang's server flags:
+
+- default: the flags `SGLangServer` passes on CPU;
+- skip-tokenizer-init: `--skip-tokenizer-init` (the loop sends and reads token ids only, so SGLang's
+  tokenizer and detokenizer work is unused).
+
+Prints one table: requests/s, generated tokens/s, wall seconds, and the HTTP server's CPU seconds per
+request. Compare tokens/s with the loop's `train/tokens` rate (benchmarks/README.md, "Default run").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import random
+import time
+from pathlib import Path
+
+import psutil
+
+from megatron_rl.config import load_config
+from megatron_rl.data.datasets import load_splits
+from megatron_rl.orchestration.train import prepare_policy
+from megatron_rl.rollout.pipeline import PromptEncoder
+from megatron_rl.rollout.sglang import SGLangClient, SGLangServer
+
+VARIANTS: dict[str, list[str]] = {"default": [], "skip-tokenizer-init": ["--skip-tokenizer-init"]}
+
+
+async def _load(url: str, prompts: list[list[int]], group: int, tokens: int, concurrency: int) -> tuple[float, int]:
+    client = SGLangClient(url)
+    gate = asyncio.Semaphore(concurrency)
+    generated = 0
+
+    async def one(ids: list[int]) -> None:
+        nonlocal generated
+        async with gate:
+            out = await client.generate(ids, tokens, [], extra_params={"ignore_eos": True})
+            generated += len(out.tokens)
+
+    try:
+        await asyncio.gather(*(one(p) for p in prompts[:8]))  # first requests: allocator and kernels warm
+        generated = 0
+        start = time.perf_counter()
+        await asyncio.gather(*(one(p) for p in prompts for _ in range(group)))
+        return time.perf_counter() - start, generated
+    finally:
+        await client.close()
+
+
+def _cpu_seconds(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=27, help="new tokens per request (the run's mean: ~27)")
+    parser.add_argument("--concurrency", type=int, default=256)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--work", default="/tmp/bench_engine")
+    args = parser.parse_args()
+
+    run = load_config("scalerl-cpu")
+    splits = load_splits(run.data)
+    policy = prepare_policy(run, splits)
+    from transformers import AutoTokenizer
+
+    encoder = PromptEncoder(AutoTokenizer.from_pretrained(policy), run.data.system_prompt, run.data.chat_template)
+    train = [p for source in splits.train.values() for p in source]
+    prompts = [encoder.encode(p) for p in random.Random(0).sample(train, args.prompts)]
+    group = run.rollout.generations_per_prompt
+    results = []
+    for variant in args.variants:
+        engine = dataclasses.replace(run.rollout.engine, extra_args=VARIANTS[variant])
+        work = Path(args.work)
+        work.mkdir(parents=True, exist_ok=True)
+        server = SGLangServer(policy, engine, work / f"{variant}.log")
+        server.start()
+        try:
+            asyncio.run(server.wait_ready(timeout_s=600))
+            http_before = _cpu_seconds(server.pid)
+            seconds, generated = asyncio.run(_load(server.url, prompts, group, args.tokens, args.concurrency))
+            http_cpu = _cpu_seconds(server.pid) - http_before
+        finally:
+            server.stop()
+        requests = len(prompts) * group
+        results.append(
+            {
+                "variant": variant,
+                "requests": requests,
+                "seconds": seconds,
+                "requests_per_s": requests / seconds,
+                "tokens_per_s": generated / seconds,
+                "http_cpu_ms_per_request": 1000 * http_cpu / requests,
+            }
+        )
+    print(f"\n{args.prompts} prompts x {group} samples, {args.tokens} new tokens each, {args.concurrency} in flight\n")
+    print("| variant | requests/s | generated tokens/s | wall s | HTTP server CPU ms / request |")
+    print("|---|---:|---:|---:|---:|")
+    for r in results:
+        print(
+            f"| {r['variant']} | {r['requests_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['seconds']:.1f} | "
+            f"{r['http_cpu_ms_per_request']:.2f} |"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
