@@ -3,9 +3,15 @@
 One completion is generated in up to two phases:
 
 1. thinking: up to a per-sequence budget drawn uniformly in [min_thinking_tokens, max_thinking_tokens],
-   stopping early at the end-of-thinking token (or at EOS);
+   ending at the end-of-thinking token (or at EOS);
 2. answer: up to `answer_tokens` more, after either the model's own `</think>` or, when the budget ran
    out first, the injected phrase "Okay, time is up. ... </think>".
+
+The engine is asked for the thinking budget without stopping at `</think>`: a model that closes its
+thinking early goes on into its answer in the same request, and the answer is then cut to
+`answer_tokens` (or continued in a second request when the budget ended first). Sampling is
+autoregressive, so this draws exactly the completions the two phases would, with one request instead of
+two for most completions (each request costs the engine's HTTP server and scheduler CPU of its own).
 
 Injected tokens are part of the sequence the model conditions on but are masked out of the loss
 (`loss_mask` False, generator log-prob 0). A completion whose answer phase hits its budget is truncated
@@ -87,22 +93,38 @@ async def generate_completion(
         return out
 
     out.thinking_budget = rng.randint(control.min_thinking_tokens, control.max_thinking_tokens)
-    thinking = await generate(prompt_ids, out.thinking_budget, [ids.end_of_thinking, ids.eos])
-    out.extend(thinking)
-    if thinking.finish == "abort":
+    first = await generate(prompt_ids, out.thinking_budget, [ids.eos])
+    if first.finish == "abort":
+        out.extend(first)
         out.finish_reason = "abort"
         return out
-    closed = bool(thinking.tokens) and thinking.tokens[-1] == ids.end_of_thinking
-    if thinking.finish == "stop" and not closed:
+    if ids.end_of_thinking in first.tokens:  # the model closed its thinking; what follows is its answer
+        close = first.tokens.index(ids.end_of_thinking) + 1
+        answered = len(first.tokens) - close
+        if first.finish == "stop" and answered <= cfg.answer_tokens:  # it answered and stopped in budget
+            out.extend(first)
+            out.finish_reason = "stop"
+            return out
+        if answered >= cfg.answer_tokens:  # the answer budget ran out inside this request: cut there
+            out.extend(_head(first, close + cfg.answer_tokens, "length"))
+            out.finish_reason = "length"
+            return out
+        out.extend(first)  # the thinking budget ended first: the answer goes on in a second request
+        answer = await generate(prompt_ids + out.tokens, cfg.answer_tokens - answered, [ids.eos])
+        out.extend(answer)
+        out.finish_reason = answer.finish
+        return out
+    out.extend(first)
+    if first.finish == "stop":
         out.finish_reason = "stop"  # EOS inside the thinking budget: the model answered without closing
         return out
-    interrupted = not closed
-    if interrupted:
-        out.inject(ids.phrase, current_version())
+    out.inject(ids.phrase, current_version())  # the budget ran out while thinking: interrupt
     answer = await generate(prompt_ids + out.tokens, cfg.answer_tokens, [ids.eos])
     out.extend(answer)
-    if answer.finish == "stop" and interrupted:
-        out.finish_reason = "interrupted"
-    else:
-        out.finish_reason = answer.finish
+    out.finish_reason = "interrupted" if answer.finish == "stop" else answer.finish
     return out
+
+
+def _head(segment: Segment, n: int, finish: Literal["stop", "length", "abort"]) -> Segment:
+    """The first `n` tokens of `segment` as if the engine had stopped there."""
+    return Segment(segment.tokens[:n], segment.logprobs[:n], segment.versions[:n], finish)

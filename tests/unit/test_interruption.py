@@ -54,7 +54,48 @@ def test_model_closes_thinking_within_budget():
     out, calls = run([3, 10, 11, THINK_END, 20, EOS], _cfg())
     assert out.tokens == [3, 10, 11, THINK_END, 20, EOS]
     assert all(out.loss_mask) and out.finish_reason == "stop"
-    assert calls[0][1] == 5 and calls[1][1] == 3  # thinking budget, then answer budget
+    # the thinking budget ended one token into the answer: the answer goes on with what is left of its budget
+    assert calls == [(3, 5, (EOS,)), (3 + 5, 2, (EOS,))]
+
+
+def test_a_closed_thinking_and_its_answer_in_one_request():
+    out, calls = run([3, THINK_END, 20, EOS], _cfg())
+    assert out.tokens == [3, THINK_END, 20, EOS] and out.finish_reason == "stop" and len(calls) == 1
+
+
+def test_an_answer_past_its_budget_inside_the_thinking_request_is_cut_and_truncated():
+    out, calls = run([3, THINK_END, 20, 21, 22, 23], _cfg(answer=2))
+    assert out.tokens == [3, THINK_END, 20, 21] and out.finish_reason == "length" and len(calls) == 1
+    assert len(out.logprobs) == len(out.versions) == len(out.loss_mask) == 4
+    out, calls = run([3, THINK_END, 20, 21, EOS], _cfg(answer=2))  # EOS one token past the answer budget
+    assert out.tokens == [3, THINK_END, 20, 21] and out.finish_reason == "length" and len(calls) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_one_request_draws_what_the_two_phases_drew(seed):
+    """Against the two-phase procedure (thinking stopped at </think>, then the answer budget), on random scripts:
+    the same tokens, mask and finish reason."""
+    rng = random.Random(seed)
+    script = [rng.choice([3, 10, 11, THINK_END, EOS]) for _ in range(30)]
+    cfg = _cfg(lo=4, hi=9, answer=3)
+    out, _ = run(script, cfg)
+
+    async def two_phases():
+        generate, _ = scripted(script)
+        budget = random.Random(0).randint(4, 9)
+        thinking = await generate([1, 1, 1], budget, [THINK_END, EOS])
+        tokens = list(thinking.tokens)
+        if thinking.tokens and thinking.tokens[-1] == EOS:
+            return tokens, "stop"
+        closed = bool(tokens) and tokens[-1] == THINK_END
+        if not closed:
+            tokens += IDS.phrase
+        answer = await generate([1, 1, 1] + tokens, 3, [EOS])
+        finish = "interrupted" if (answer.finish == "stop" and not closed) else answer.finish
+        return tokens + answer.tokens, finish
+
+    tokens, finish = asyncio.run(two_phases())
+    assert (out.tokens, out.finish_reason) == (tokens, finish)
 
 
 def test_budget_reached_injects_masked_phrase_then_answers():
