@@ -7,6 +7,9 @@ megatron-rl fit 512=b512.jsonl 2048=b2048.jsonl --axis batch       label runs on
 megatron-rl fit runs/*/metrics.jsonl --axis rollout.generations_per_prompt   label from header/config.yaml
 megatron-rl fit run.jsonl --metric 'val/pass_rate/*'       one curve per task
 megatron-rl fit export.csv --compute-col gpu_hours --metric val/pass_rate   a wandb CSV export
+
+Exit status: 0 every curve fitted; 1 some could not be (each named on stderr and under "failed" in --json;
+the others are fitted, printed and plotted, the unfitted ones plotted as points); 2 none fitted or bad input.
 """
 
 from __future__ import annotations
@@ -98,8 +101,11 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, unit="fit", leave=False, disable=None, file=sys.stderr)
 
 
-def _fit(curves: list[Curve], args: argparse.Namespace) -> list[Result]:
-    results = []
+def _fit(curves: list[Curve], args: argparse.Namespace) -> tuple[list[Result], list[tuple[Curve, str]]]:
+    """Fit every curve that can be fitted; the others are returned with the reason (e.g. a task whose pass
+    rate sits at 1.0, too few points after the warm-up cut), so that one unfittable curve does not cost the
+    others their fit and plot."""
+    results, failed = [], []
     grid_size = len(PAPER_A_GRID) * len(PAPER_C_MID_GRID)
     total = len(curves) * (grid_size if args.method == "paper" else 1)
     with _progress(total, f"fitting ({args.method})") as bar:
@@ -110,21 +116,26 @@ def _fit(curves: list[Curve], args: argparse.Namespace) -> list[Result]:
                 cut = float(curve.compute.max()) / 2
             elif cut is not None:
                 cut = float(cut)
-            result = fit_run(
-                curve,
-                fit_start=args.fit_start,
-                method=args.method,
-                n_boot=args.bootstrap,
-                level=args.level,
-                R0=args.r0,
-                extrapolate_from=cut,
-                seed=args.seed,
-                grid_progress=bar.update if args.method == "paper" else None,
-            )
-            if args.method != "paper":
-                bar.update(1)
+            try:
+                result = fit_run(
+                    curve,
+                    fit_start=args.fit_start,
+                    method=args.method,
+                    n_boot=args.bootstrap,
+                    level=args.level,
+                    R0=args.r0,
+                    extrapolate_from=cut,
+                    seed=args.seed,
+                    grid_progress=bar.update if args.method == "paper" else None,
+                )
+            except FitError as exc:
+                failed.append((curve, str(exc)))
+                continue
+            finally:
+                if args.method != "paper":
+                    bar.update(1)
             results.append(result)
-    return results
+    return results, failed
 
 
 def _payload(results: list[Result], args: argparse.Namespace, shared: list) -> dict[str, Any]:
@@ -171,16 +182,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         curves = _load(args)
-        results = _fit(curves, args)
-        shared = shared_asymptote(results, args.margin, n_boot=args.bootstrap, level=args.level) if args.compare else []
+        results, failed = _fit(curves, args)
+        compare = args.compare and len(results) > 1
+        shared = shared_asymptote(results, args.margin, n_boot=args.bootstrap, level=args.level) if compare else []
     except FitError as exc:
         print(f"megatron-rl fit: {exc}", file=sys.stderr)
         return 2
-    print(table(results, args.predict_at, args.axis))
-    if args.compare:
+    for curve, reason in failed:
+        print(f"megatron-rl fit: {curve.label} ({curve.source}) not fitted: {reason}", file=sys.stderr)
+    if results:
+        print(table(results, args.predict_at, args.axis))
+    if compare:
         print()
         print(shared_table(shared, args.margin))
-    if args.extrapolate_from is not None:
+    if args.extrapolate_from is not None and results:
         print()
         print(extrapolation_table(results))
     if args.plot:
@@ -201,11 +216,18 @@ def main(argv: list[str] | None = None) -> int:
             ordered=args.axis is not None,
             axis=args.axis,
             efficiency_fits={r.curve.label: f for g in shared for r, f in zip(g.results, g.refits, strict=True)},
+            unfitted=[curve for curve, _ in failed],
         )
         print("wrote " + ", ".join(map(str, written)))
     if args.json:
-        Path(args.json).write_text(json.dumps(_payload(results, args, shared), indent=2))
+        payload = _payload(results, args, shared)
+        payload["failed"] = [{"label": c.label, "source": c.source, "reason": reason} for c, reason in failed]
+        Path(args.json).write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
+    if failed:
+        fitted = f"{len(results)} of {len(results) + len(failed)} curves fitted"
+        print(f"megatron-rl fit: {fitted}" + ("" if results else "; the plot shows the points only"), file=sys.stderr)
+        return 1 if results else 2
     return 0
 
 

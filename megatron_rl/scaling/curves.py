@@ -23,6 +23,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,12 +72,17 @@ def _read_rows(path: Path) -> tuple[dict[str, Any], list[tuple[int, dict[str, An
     header: dict[str, Any] = {}
     rows = []
     columns: dict[str, None] = {}
-    for i, line in enumerate(path.read_text().splitlines(), start=1):
+    text = path.read_text()
+    lines = text.splitlines()
+    for i, line in enumerate(lines, start=1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
+            if i == len(lines) and not text.endswith("\n"):  # a run killed while writing its last row
+                warnings.warn(f"{path}:{i}: a partial last line (a run cut off mid-write) is left out", stacklevel=2)
+                break
             raise FitError(f"{path}:{i}: not JSON ({exc.msg})") from None
         if not isinstance(record, dict):
             raise FitError(f"{path}:{i}: expected a JSON object, got {type(record).__name__}")

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_rl.scaling.compare import Result
+from megatron_rl.scaling.curves import Curve
 from megatron_rl.scaling.fit import Fit
 
 
@@ -37,11 +38,13 @@ def plot_results(
     ordered: bool = False,
     efficiency_fits: dict[str, Fit] | None = None,
     axis: str | None = None,
+    unfitted: list[Curve] | None = None,
 ) -> list[Path]:
     """Write the figure to `out` (.png, or .svg plus a .png next to it); returns the files written.
     `efficiency_fits` (label -> fit) replaces runs' own fits in the efficiency view, e.g. by their
     shared-A refits, so that the slopes compare B at one asymptote as the paper does. With `axis` (a label
-    key such as `labels.batch`), legends read `batch=512`."""
+    key such as `labels.batch`), legends read `batch=512`. `unfitted` curves (no fit could be made) are drawn
+    as their points only, marked "not fitted" in the legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -54,13 +57,18 @@ def plot_results(
     else:
         fig, ax = plt.subplots(figsize=(8.5, 5.2))
         eff = None
-    colors = _palette(len(results), ordered)
-    x_max = max([float(r.curve.compute.max()) for r in results] + predict_at)
-    for color, r in zip(colors, results, strict=True):
+    unfitted = unfitted or []
+    colors = _palette(len(results) + len(unfitted), ordered)
+    x_max = max([float(c.compute.max()) for c in [r.curve for r in results] + unfitted] + predict_at)
+    for color, r in zip(colors, results, strict=False):
         name = f"{axis.rsplit('.', 1)[-1]}={r.curve.label}" if axis else r.curve.label
         _draw_run(ax, r, name, color, x_max, predict_at)
         if eff is not None:
             _draw_efficiency(eff, r, name, color, (efficiency_fits or {}).get(r.curve.label))
+    for color, curve in zip(colors[len(results) :], unfitted, strict=True):
+        name = f"{axis.rsplit('.', 1)[-1]}={curve.label}" if axis else curve.label
+        ax.scatter(curve.compute, curve.R, s=16, marker="s", color=color, alpha=0.85, zorder=3)
+        ax.plot([], [], marker="s", ls="none", color=color, label=f"{name}: not fitted")
     fit_starts = {r.fit.fit_start for r in results}
     if len(fit_starts) == 1 and (fit_start := fit_starts.pop()) > 0:
         ax.axvline(fit_start, color="0.5", lw=0.9, ls="-.", label=f"fit start {fit_start:g} (warm-up cut)")
@@ -81,7 +89,8 @@ def plot_results(
         eff.set_ylabel("F(R) = C_mid^B / ((A - R0) / (R - R0) - 1)")
         eff.set_title("efficiency view: log F(R) vs log C has slope B", fontsize=11)
         eff.grid(True, which="major", alpha=0.35)
-        eff.legend(fontsize=8, loc="upper left", framealpha=0.9)
+        if eff.get_legend_handles_labels()[0]:  # no fitted curve, no efficiency line
+            eff.legend(fontsize=8, loc="upper left", framealpha=0.9)
     fig.tight_layout()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -131,3 +131,37 @@ def test_plot_draws_every_run_on_a_log_compute_axis(tmp_path):
     image = matplotlib.image.imread(png)
     assert image.shape[0] > 400 and image.shape[1] > 700
     assert image[..., :3].std() > 0.1  # not blank
+
+
+def test_a_curve_that_cannot_be_fitted_is_named_and_the_others_are_fitted_and_plotted(tmp_path, capsys):
+    """Per task (`--metric 'val/pass_rate/*'`), a task at pass rate 1.0 has no sigmoid to fit: it is named on
+    stderr and under "failed", exit 1, and the other task still gets its fit and the plot (the run's final
+    per-task fit writes `scaling_curve_tasks.png` this way)."""
+    compute, R = synthetic_curve(0.61, 1.92, 2542, noise=0.005, seed=1, max_compute=25000)
+    path = write_metrics_jsonl(tmp_path / "m.jsonl", compute, R, {"name": "mt"}, {"math": R, "code": np.ones_like(R)})
+    out, report = tmp_path / "tasks.png", tmp_path / "f.json"
+    argv = [str(path), "--metric", "val/pass_rate/*", "--bootstrap", "50", "--plot", str(out), "--json", str(report)]
+    assert fit_main(argv) == 1
+    captured = capsys.readouterr()
+    assert "code" in captured.err and "not fitted" in captured.err and "1 of 2 curves fitted" in captured.err
+    assert "math" in captured.out
+    payload = json.loads(report.read_text())
+    assert [f["label"] for f in payload["failed"]] == ["mt code"] and "A_max" in payload["failed"][0]["reason"]
+    assert list(payload["runs"]) == ["mt math"]
+    assert out.read_bytes()[:4] == b"\x89PNG"
+
+    assert fit_main([str(path), "--metric", "val/pass_rate/code", "--plot", str(tmp_path / "none.png")]) == 2
+    assert "0 of 1 curves fitted; the plot shows the points only" in capsys.readouterr().err
+    assert (tmp_path / "none.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_partial_last_line_is_left_out_with_a_warning_a_bad_line_inside_is_an_error(tmp_path, capsys):
+    path = _run(tmp_path / "a.jsonl", "a", 0.61, 1.92, 2542, 1)
+    with path.open("a") as f:
+        f.write('{"step": 99999, "device_hours": 3')  # the writer was killed mid-row
+    with pytest.warns(UserWarning, match=r"a\.jsonl:\d+: a partial last line"):
+        assert fit_main([str(path), "--bootstrap", "0"]) == 0
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[1][:10], *lines[2:-1]]) + "\n")
+    assert fit_main([str(path), "--bootstrap", "0"]) == 2
+    assert "a.jsonl:2: not JSON" in capsys.readouterr().err
