@@ -1,6 +1,8 @@
-"""Scaling-curve fit: speed, accuracy on the paper's Table 1, interval calibration, paper procedure vs ours.
+"""Scaling-curve fit: speed, accuracy on the paper's Table 1, interval calibration (independent and
+autocorrelated noise), paper procedure vs ours.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_scaling_fit.py [--seeds 100] [--paper-seeds 5] [--json out.json]
+    OMP_NUM_THREADS=1 python benchmarks/bench_scaling_fit.py --only autocorrelation --seeds 100
 
 Curves (megatron_rl/scaling/synthetic.py): Table 1 parameters (SCALERL.md §1), R0 = 0.30, the step-0 point
 plus 75 evaluations evenly spaced in compute (an evaluation every 100 steps at a constant cost per step)
@@ -16,7 +18,13 @@ Printed (markdown, pasted into benchmarks/README.md):
    targets (A 0.01, B 10%, C_mid 15%, prediction 0.02);
 3. coverage of the 90% bootstrap intervals (A, B, C_mid, and R at the final compute fitted on the first
    half) over the same seeds, noise 0.01;
-4. paper procedure vs fast on `--paper-seeds` seeds per row: errors, squared-error ratio, time.
+4. coverage of the 90% intervals of A, B, C_mid and of R extrapolated to 4x the last compute when the
+   noise is autocorrelated from one evaluation to the next (AR(1), phi 0.5 and 0.8, as the validation
+   points of one run are) and when it is not, per bootstrap method (ar, block, iid), every Table 1 row;
+5. repeated runs of one recipe whose asymptotes differ from run to run (sd 0.01 around the recipe's A,
+   the paper's +/-0.015 over three runs), pooled into one curve: coverage of the recipe's A, against a
+   single run's interval;
+6. paper procedure vs fast on `--paper-seeds` seeds per row: errors, squared-error ratio, time.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from scipy.optimize import least_squares
 from tqdm import tqdm
 
 from megatron_rl.scaling import bootstrap, extrapolation_check, fit_curve, sigmoid
+from megatron_rl.scaling.bootstrap import METHODS as BOOTSTRAP_METHODS
 from megatron_rl.scaling.synthetic import R0, TABLE1, synthetic_curve, table1_curve
 
 FIT_START = 1500.0
@@ -127,6 +136,72 @@ def calibration(seeds: int, noise: float, n_boot: int = 200) -> dict[str, dict[s
     return out
 
 
+AR_PHIS = (0.0, 0.5, 0.8)
+EXTRAPOLATE = 4.0
+"""Autocorrelation section: R is predicted at this multiple of the last compute."""
+
+
+def autocorrelation(seeds: int, noise: float, n_boot: int = 200) -> dict[str, dict[str, dict[str, float]]]:
+    """Coverage per noise kind (phi) and bootstrap method, per Table 1 row: {phi: {method: {row: ...}}}."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    bar = tqdm(total=len(AR_PHIS) * len(TABLE1) * seeds, desc="autocorrelation", leave=False)
+    for phi in AR_PHIS:
+        cells = {method: {} for method in BOOTSTRAP_METHODS}
+        for row, (name, (C_mid, B, A)) in enumerate(TABLE1.items()):
+            truth = {"A": A, "B": B, "C_mid": C_mid}
+            covered = {method: dict.fromkeys([*truth, "R_4x"], 0) for method in BOOTSTRAP_METHODS}
+            for seed in _seeds(row, seeds, offset=90_000):
+                compute, R = table1_curve(name, noise=noise, seed=seed, phi=phi)
+                fit = fit_curve(compute, R, fit_start=FIT_START)
+                far = EXTRAPOLATE * compute.max()
+                R_far = sigmoid([far], A, B, C_mid, R0)[0]
+                for method in BOOTSTRAP_METHODS:
+                    boot = bootstrap(fit, n=n_boot, seed=seed, method=method)
+                    for key, value in truth.items():
+                        lo, hi = boot.interval(key)
+                        covered[method][key] += lo <= value <= hi
+                    lo, hi = boot.predict_interval([far])
+                    covered[method]["R_4x"] += lo[0] <= R_far <= hi[0]
+                bar.update(1)
+            for method in BOOTSTRAP_METHODS:
+                cells[method][name] = {key: n / seeds for key, n in covered[method].items()}
+        out[str(phi)] = cells
+    bar.close()
+    return out
+
+
+RUN_COUNTS = (1, 2, 3, 5)
+RUN_TO_RUN_SD = (0.0, 0.01)
+
+
+def repeated_runs(seeds: int, n_boot: int = 200, phi: float = 0.5) -> dict[str, dict[str, float]]:
+    """The scalerl-8b row run k times, each run's A drawn around the recipe's (sd 0.0 or 0.01), AR(1) noise:
+    coverage of the recipe's A by the pooled curve's 90% interval, and its median width."""
+    C_mid, B, A = TABLE1["scalerl-8b"]
+    out = {}
+    bar = tqdm(total=len(RUN_COUNTS) * len(RUN_TO_RUN_SD) * seeds, desc="repeated runs", leave=False)
+    for sd in RUN_TO_RUN_SD:
+        for k in RUN_COUNTS:
+            covered, widths = 0, []
+            for seed in range(seeds):
+                rng = np.random.default_rng(seed)
+                runs = [
+                    synthetic_curve(a, B, C_mid, noise=0.01, seed=100 * seed + j, max_compute=10 * C_mid, phi=phi)
+                    for j, a in enumerate(A + rng.normal(0.0, sd, k))
+                ]
+                compute = np.concatenate([c for c, _ in runs])
+                R = np.concatenate([r for _, r in runs])
+                index = np.repeat(np.arange(k), runs[0][0].size)
+                fit = fit_curve(compute, R, fit_start=FIT_START, runs=index)
+                lo, hi = bootstrap(fit, n=n_boot, seed=seed).interval("A")
+                covered += lo <= A <= hi
+                widths.append(hi - lo)
+                bar.update(1)
+            out[f"sd {sd}, {k} runs"] = {"coverage": covered / seeds, "width": float(np.median(widths))}
+    bar.close()
+    return out
+
+
 def paper_vs_fast(seeds: int, noise: float) -> dict[str, dict[str, float]]:
     out = {}
     bar = tqdm(total=len(TABLE1) * seeds, desc="paper vs fast", leave=False)
@@ -183,9 +258,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=100)
     parser.add_argument("--paper-seeds", type=int, default=5, help="seeds per row for the (slow) paper procedure")
     parser.add_argument("--json", default=None, help="also write every number here")
-    parser.add_argument("--only", choices=["timing", "recovery", "calibration", "paper"], default=None)
+    parser.add_argument("--boot", type=int, default=200, help="refits per bootstrap in the coverage sections")
+    choices = ["timing", "recovery", "calibration", "autocorrelation", "runs", "paper"]
+    parser.add_argument("--only", choices=choices, default=None)
     args = parser.parse_args()
-    sections = [args.only] if args.only else ["timing", "recovery", "calibration", "paper"]
+    sections = [args.only] if args.only else choices
 
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
@@ -197,7 +274,11 @@ def main() -> None:
     if "recovery" in sections:
         results.update(_report_recovery(args.seeds))
     if "calibration" in sections:
-        results["calibration_0.01"] = _report_calibration(args.seeds)
+        results["calibration_0.01"] = _report_calibration(args.seeds, args.boot)
+    if "autocorrelation" in sections:
+        results["autocorrelation_0.01"] = _report_autocorrelation(args.seeds, args.boot)
+    if "runs" in sections:
+        results["repeated_runs"] = _report_repeated_runs(args.seeds, args.boot)
     if "paper" in sections:
         results["paper_vs_fast_0.01"] = _report_paper(args.paper_seeds)
     if args.json:
@@ -229,9 +310,9 @@ def _report_recovery(seeds: int) -> dict[str, object]:
     return results
 
 
-def _report_calibration(seeds: int) -> dict[str, dict[str, float]]:
-    cal = calibration(seeds, 0.01)
-    print(f"\nCoverage of the 90% bootstrap intervals, noise 0.01, {seeds} seeds, 200 refits each\n")
+def _report_calibration(seeds: int, n_boot: int) -> dict[str, dict[str, float]]:
+    cal = calibration(seeds, 0.01, n_boot)
+    print(f"\nCoverage of the 90% bootstrap intervals (default method), noise 0.01, {seeds} seeds, {n_boot} refits\n")
     print("| run | A | B | C_mid | R(final) fitted on the first half |")
     print("|---|---:|---:|---:|---:|")
     for name, c in cal.items():
@@ -239,6 +320,40 @@ def _report_calibration(seeds: int) -> dict[str, dict[str, float]]:
     mean = {k: float(np.mean([c[k] for c in cal.values()])) for k in ("A", "B", "C_mid", "R_final")}
     print(f"| all rows | {mean['A']:.1%} | {mean['B']:.1%} | {mean['C_mid']:.1%} | {mean['R_final']:.1%} |")
     return cal
+
+
+def _report_autocorrelation(seeds: int, n_boot: int) -> dict[str, dict[str, dict[str, float]]]:
+    cov = autocorrelation(seeds, 0.01, n_boot)
+    keys = ("A", "B", "C_mid", "R_4x")
+    trials = seeds * len(TABLE1)
+    print(
+        f"\nCoverage of the 90% intervals, noise sd 0.01, every Table 1 row x {seeds} seeds ({trials} curves per "
+        f"cell), {n_boot} refits: all rows pooled (lowest row)\n"
+    )
+    print(f"| noise | method | A | B | C_mid | R at {EXTRAPOLATE:g}x the last compute |")
+    print("|---|---|---:|---:|---:|---:|")
+    for phi, cells in cov.items():
+        kind = "independent" if float(phi) == 0 else f"AR(1), phi {phi}"
+        for method, rows in cells.items():
+            pooled = [float(np.mean([r[k] for r in rows.values()])) for k in keys]
+            lowest = [min(r[k] for r in rows.values()) for k in keys]
+            text = " | ".join(f"{p:.1%} ({lo:.0%})" for p, lo in zip(pooled, lowest, strict=True))
+            print(f"| {kind} | {method} | {text} |")
+    return cov
+
+
+def _report_repeated_runs(seeds: int, n_boot: int) -> dict[str, dict[str, float]]:
+    rep = repeated_runs(seeds, n_boot)
+    print(
+        f"\nRepeated runs pooled into one curve (scalerl-8b, AR(1) noise phi 0.5 sd 0.01), {seeds} seeds: coverage "
+        "of the recipe's A by the 90% interval (median width)\n"
+    )
+    print("| run-to-run sd of A | " + " | ".join(f"{k} run{'s' * (k > 1)}" for k in RUN_COUNTS) + " |")
+    print("|---|" + "---:|" * len(RUN_COUNTS))
+    for sd in RUN_TO_RUN_SD:
+        cells = [rep[f"sd {sd}, {k} runs"] for k in RUN_COUNTS]
+        print(f"| {sd} | " + " | ".join(f"{c['coverage']:.0%} ({c['width']:.3f})" for c in cells) + " |")
+    return rep
 
 
 def _report_paper(seeds: int) -> dict[str, dict[str, float]]:

@@ -3,7 +3,7 @@
 numpy, scipy and matplotlib only (never torch), so it runs anywhere the metrics files are:
 
     fit.py            the law, the paper's fitting procedure and the fast one (ours)
-    bootstrap.py      intervals for A, B, C_mid and for R at any compute
+    bootstrap.py      intervals for A, B, C_mid and for R at any compute (autocorrelated noise, repeated runs)
     extrapolation.py  fit up to a compute cut, predict the rest
     curves.py         inputs: the metrics JSONL megatron_rl writes, CSV exports, run labels
     compare.py        recipes side by side, the paper's shared-A rule, tables per scaling axis

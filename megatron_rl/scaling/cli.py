@@ -2,11 +2,18 @@
 
 megatron-rl fit runs/*/metrics.jsonl --fit-start 1500 --predict-at 100000 --plot out.png
 megatron-rl fit a.jsonl b.jsonl --compare                  recipes: the paper's shared-A rule, then B
+megatron-rl fit a=a1.jsonl a=a2.jsonl b=b1.jsonl b=b2.jsonl --compare   repeated runs: one curve per label
 megatron-rl fit run.jsonl --extrapolate-from 50000         fit up to 50k, predict the rest (or: half)
 megatron-rl fit 512=b512.jsonl 2048=b2048.jsonl --axis batch       label runs on the command line
 megatron-rl fit runs/*/metrics.jsonl --axis rollout.generations_per_prompt   label from header/config.yaml
 megatron-rl fit run.jsonl --metric 'val/pass_rate/*'       one curve per task
 megatron-rl fit export.csv --compute-col gpu_hours --metric val/pass_rate   a wandb CSV export
+
+Intervals: residual bootstrap; by default the residuals are resampled as an AR(1) series, since the
+validation points of one run are autocorrelated. They cover the evaluation noise within one run; the
+run-to-run variation of a recipe (the paper's +/-0.02 on A) is in them only when repeated runs are given
+under one label (label=path for each file, or the same --axis value): their points are fitted as one
+curve and the bootstrap resamples the runs as well.
 
 Exit status: 0 every curve fitted; 1 some could not be (each named on stderr and under "failed" in --json;
 the others are fitted, printed and plotted, the unfitted ones plotted as points); 2 none fitted or bad input.
@@ -20,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.scaling.bootstrap import METHODS as BOOTSTRAP_METHODS
 from megatron_rl.scaling.compare import (
     Result,
     extrapolation_table,
@@ -28,7 +36,7 @@ from megatron_rl.scaling.compare import (
     shared_table,
     table,
 )
-from megatron_rl.scaling.curves import Curve, label_for, load_curves, sort_key
+from megatron_rl.scaling.curves import Curve, label_for, load_curves, pool_runs, sort_key
 from megatron_rl.scaling.fit import METHODS, PAPER_A_GRID, PAPER_C_MID_GRID, FitError
 
 
@@ -47,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-efficiency", action="store_true", help="plot without the efficiency panel")
     p.add_argument("--method", choices=METHODS, default="fast", help="fast (default) or the paper's grid")
     p.add_argument("--bootstrap", type=int, default=1000, metavar="N", help="bootstrap refits (0: no intervals)")
+    p.add_argument(
+        "--bootstrap-method",
+        choices=BOOTSTRAP_METHODS,
+        default="ar",
+        help="residual resampling: ar (default; autocorrelated evaluation noise), block, or iid",
+    )
     p.add_argument("--level", type=float, default=0.9, help="interval coverage (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--compute-col", default="device_hours", help="compute column (default device_hours)")
@@ -77,7 +91,10 @@ def _resolve_run(spec: str) -> tuple[str | None, Path]:
 
 
 def _load(args: argparse.Namespace) -> list[Curve]:
-    curves: list[Curve] = []
+    """The curves to fit, one per label: runs given one label on the command line (label=path) or by --axis
+    are repeated runs of one recipe, pooled into one curve; runs whose names merely coincide are an error."""
+    groups: dict[str, list[Curve]] = {}
+    named: set[str] = set()
     for spec in args.runs:
         label, path = _resolve_run(spec)
         loaded = load_curves(path, args.compute_col, args.metric, label, args.step_col, args.compute_scale)
@@ -85,11 +102,17 @@ def _load(args: argparse.Namespace) -> list[Curve]:
             for curve in loaded:
                 value = label_for(curve, args.axis)
                 curve.label = value if len(loaded) == 1 else f"{value} {curve.label.rsplit(' ', 1)[-1]}"
-        curves += loaded
-    labels = [c.label for c in curves]
-    duplicated = sorted({x for x in labels if labels.count(x) > 1})
+        if label is not None or args.axis:
+            named.update(c.label for c in loaded)
+        for curve in loaded:
+            groups.setdefault(curve.label, []).append(curve)
+    duplicated = sorted(label for label, group in groups.items() if len(group) > 1 and label not in named)
     if duplicated:
-        raise FitError(f"runs share the labels {duplicated}: name them on the command line (label=path)")
+        raise FitError(
+            f"runs share the labels {duplicated}: name them on the command line (label=path; "
+            "one label for several files fits them as repeated runs of one recipe)"
+        )
+    curves = [pool_runs(group) for group in groups.values()]
     if args.axis:
         curves.sort(key=lambda c: sort_key(c.label))
     return curves
@@ -127,6 +150,7 @@ def _fit(curves: list[Curve], args: argparse.Namespace) -> tuple[list[Result], l
                     extrapolate_from=cut,
                     seed=args.seed,
                     grid_progress=bar.update if args.method == "paper" else None,
+                    bootstrap_method=args.bootstrap_method,
                 )
             except FitError as exc:
                 failed.append((curve, str(exc)))
@@ -141,9 +165,14 @@ def _fit(curves: list[Curve], args: argparse.Namespace) -> tuple[list[Result], l
 def _payload(results: list[Result], args: argparse.Namespace, shared: list) -> dict[str, Any]:
     runs = {}
     for r in results:
-        entry: dict[str, Any] = {"source": r.curve.source, "metric": r.curve.metric, **r.fit.as_dict()}
+        entry: dict[str, Any] = {
+            "source": r.curve.source,
+            "metric": r.curve.metric,
+            "runs": r.curve.n_runs,
+            **r.fit.as_dict(),
+        }
         if r.boot is not None:
-            entry["level"] = r.boot.level
+            entry.update(level=r.boot.level, bootstrap_method=r.boot.method, phi=r.boot.phi)
             entry.update(r.boot.as_dict())
         entry["predictions"] = []
         for c in args.predict_at:
@@ -184,7 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         curves = _load(args)
         results, failed = _fit(curves, args)
         compare = args.compare and len(results) > 1
-        shared = shared_asymptote(results, args.margin, n_boot=args.bootstrap, level=args.level) if compare else []
+        shared = (
+            shared_asymptote(
+                results, args.margin, n_boot=args.bootstrap, level=args.level, bootstrap_method=args.bootstrap_method
+            )
+            if compare
+            else []
+        )
     except FitError as exc:
         print(f"megatron-rl fit: {exc}", file=sys.stderr)
         return 2

@@ -46,17 +46,31 @@ def fit_run(
     extrapolate_from: float | None = None,
     seed: int = 0,
     grid_progress: Callable[[int], None] | None = None,
+    bootstrap_method: str = "ar",
 ) -> Result:
-    """Fit one curve, bootstrap it (n_boot > 0) and optionally check extrapolation from a compute cut."""
-    fit = fit_curve(curve.compute, curve.R, R0=R0, fit_start=fit_start, method=method, progress=grid_progress)
+    """Fit one curve (repeated runs pooled when it has several), bootstrap it (n_boot > 0, residuals
+    resampled by `bootstrap_method`) and optionally check extrapolation from a compute cut."""
+    fit = fit_curve(
+        curve.compute, curve.R, R0=R0, fit_start=fit_start, method=method, progress=grid_progress, runs=curve.runs
+    )
     fit.warnings = curve.notes + fit.warnings
-    boot = bootstrap(fit, n=n_boot, level=level, seed=seed) if n_boot else None
+    boot = bootstrap(fit, n=n_boot, level=level, seed=seed, method=bootstrap_method) if n_boot else None
     if boot is not None:
         fit.warnings += boot.warnings()
     check = None
     if extrapolate_from is not None:
         check = extrapolation_check(
-            curve.compute, curve.R, extrapolate_from, fit_start, R0, max(n_boot, 200), level, method, seed
+            curve.compute,
+            curve.R,
+            extrapolate_from,
+            fit_start,
+            R0,
+            max(n_boot, 200),
+            level,
+            method,
+            seed,
+            bootstrap_method,
+            curve.runs,
         )
     return Result(curve, fit, boot, check)
 
@@ -77,7 +91,12 @@ class SharedA:
 
 
 def shared_asymptote(
-    results: Iterable[Result], margin: float = 0.02, n_boot: int = 0, level: float = 0.9, seed: int = 0
+    results: Iterable[Result],
+    margin: float = 0.02,
+    n_boot: int = 0,
+    level: float = 0.9,
+    seed: int = 0,
+    bootstrap_method: str = "ar",
 ) -> list[SharedA]:
     """The paper's rule over any number of runs: groups of runs whose A's span <= `margin`, each refitted
     with the group's mean A (B and C_mid free), with bootstrap intervals when n_boot > 0."""
@@ -99,7 +118,9 @@ def shared_asymptote(
             refit = fit_fast(r.fit.points, A_fixed=mean_A)
             refit.fit_start = r.fit.fit_start
             refits.append(refit)
-        boots = [bootstrap(f, n=n_boot, level=level, seed=seed) if n_boot else None for f in refits]
+        boots = [
+            bootstrap(f, n=n_boot, level=level, seed=seed, method=bootstrap_method) if n_boot else None for f in refits
+        ]
         shared.append(SharedA(mean_A, group, refits, boots))
     return shared
 
@@ -113,8 +134,10 @@ def _cell(value: float, interval: tuple[float, float] | None, fmt: str) -> str:
 def table(results: list[Result], predict_at: list[float] | None = None, axis: str | None = None) -> str:
     """Plain-text table of the fitted parameters per run, with the bootstrap intervals when present."""
     predict_at = predict_at or []
-    level = next((r.boot.level for r in results if r.boot is not None), None)
-    head = [axis or "run", "A", "B", "C_mid", "R0", "rmse", "pts"] + [f"R@{c:g}" for c in predict_at]
+    boots = [r.boot for r in results if r.boot is not None]
+    pooled = any(r.curve.n_runs > 1 for r in results)
+    head = [axis or "run", "A", "B", "C_mid", "R0", "rmse", "pts"] + ["runs"] * pooled + ["phi"] * bool(boots)
+    head += [f"R@{c:g}" for c in predict_at]
     rows = []
     for r in results:
         f, b = r.fit, r.boot
@@ -127,6 +150,7 @@ def table(results: list[Result], predict_at: list[float] | None = None, axis: st
             f"{f.rmse:.4f}",
             str(f.n_points),
         ]
+        row += [str(r.curve.n_runs)] * pooled + ([f"{b.phi:.2f}" if b else ""] if boots else [])
         for c in predict_at:
             value, lo, hi = r.prediction(c)
             row.append(_cell(value, None if lo is None else (lo, hi), ".3f"))
@@ -136,9 +160,35 @@ def table(results: list[Result], predict_at: list[float] | None = None, axis: st
     for r, row in zip(results, rows, strict=True):
         lines.append("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
         lines += [f"    warning ({r.curve.label}): {w}" for w in r.fit.warnings]
-    if level is not None:
-        lines.append(f"[lo, hi]: {level:.0%} bootstrap intervals ({results[0].boot.samples.shape[0]} refits)")
+    if boots:
+        lines += interval_notes(boots[0], pooled)
     return "\n".join(lines)
+
+
+RESAMPLED = {
+    "ar": "residuals resampled as AR(1) series",
+    "block": "residuals resampled in moving blocks",
+    "iid": "residuals resampled independently (right only if phi is near 0)",
+}
+
+
+def interval_notes(boot: Bootstrap, pooled: bool) -> list[str]:
+    """What the intervals of a table cover, printed under it."""
+    lines = [
+        f"[lo, hi]: {boot.level:.0%} bootstrap intervals, {boot.samples.shape[0]} refits, {RESAMPLED[boot.method]}; "
+        "phi: the residuals' lag-1 autocorrelation (AR(1), corrected for the fit)."
+    ]
+    if pooled:
+        lines.append(
+            "  Curves of several runs (runs > 1) also resample the runs: their intervals include run-to-run "
+            "variation; those of one run cover the noise within that run only."
+        )
+    else:
+        lines.append(
+            "  They cover the noise within each run; run-to-run variation (the paper's +/-0.02 on A) needs "
+            "repeated runs given one label."
+        )
+    return lines
 
 
 def shared_table(groups: list[SharedA], margin: float) -> str:

@@ -45,6 +45,35 @@ class Curve:
     steps: Array | None = None
     notes: list[str] = field(default_factory=list)
     """What loading changed or noticed: replaced duplicate steps, R0 not at step 0."""
+    runs: Array | None = None
+    """Which run each point comes from when repeated runs are pooled (`pool_runs`); None: one run."""
+
+    @property
+    def n_runs(self) -> int:
+        return 1 if self.runs is None else int(np.unique(self.runs).size)
+
+
+def pool_runs(curves: list[Curve]) -> Curve:
+    """Repeated runs of one recipe (same label) as one curve: their points together, `runs` saying which
+    run each came from. The fit pools them (R0: the mean of the runs' first points) and the bootstrap
+    resamples the runs as well as the noise within each, so the intervals include run-to-run variation."""
+    if len(curves) == 1:
+        return curves[0]
+    sources = [c.source for c in curves]
+    if len(set(sources)) < len(sources):
+        raise FitError(f"the same file is given twice for {curves[0].label!r}: {sources}")
+    notes = [f"{Path(c.source).name}: {note}" for c in curves for note in c.notes]
+    return Curve(
+        curves[0].label,
+        np.concatenate([c.compute for c in curves]),
+        np.concatenate([c.R for c in curves]),
+        ", ".join(sources),
+        curves[0].metric,
+        curves[0].header,
+        None,
+        notes,
+        np.concatenate([np.full(c.R.size, i) for i, c in enumerate(curves)]),
+    )
 
 
 def _number(value: Any, where: str, column: str) -> float | None:

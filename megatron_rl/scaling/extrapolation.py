@@ -61,9 +61,12 @@ def extrapolation_check(
     level: float = 0.9,
     method: str = "fast",
     seed: int = 0,
+    bootstrap_method: str = "ar",
+    runs: ArrayLike | None = None,
 ) -> Extrapolation:
     """Fit on compute <= `cut` (R0 from the whole run's first point unless given), predict every later
-    point; report the error and the interval at the last one."""
+    point; report the error and the interval at the last one. `runs` (a run index per point) pools
+    repeated runs as `fit_curve` does."""
     c = np.asarray(compute, dtype=np.float64)
     r = np.asarray(R, dtype=np.float64)
     if c.shape != r.shape or c.ndim != 1 or c.size == 0:
@@ -71,12 +74,10 @@ def extrapolation_check(
     head, tail = c <= cut, c > cut
     if not tail.any():
         raise FitError(f"no points beyond the cut {cut:g} (last compute {c.max():g}): nothing to predict")
-    if R0 is None:
-        # R0 is the run's first point; fit_curve then leaves it out of the fitted points as usual.
-        fit = fit_curve(c[head], r[head], fit_start=fit_start, method=method)
-    else:
-        fit = fit_curve(c[head], r[head], R0=R0, fit_start=fit_start, method=method)
-    boot = bootstrap(fit, n=n_boot, level=level, seed=seed)
+    run = None if runs is None else np.asarray(runs)[head]
+    # Without R0, the run's first point is R0; fit_curve then leaves it out of the fitted points as usual.
+    fit = fit_curve(c[head], r[head], R0=R0, fit_start=fit_start, method=method, runs=run)
+    boot = bootstrap(fit, n=n_boot, level=level, seed=seed, method=bootstrap_method)
     last = int(np.argmax(c))
     lo, hi = boot.predict_interval([c[last]], observation=True, seed=seed)
     heldout = fit.predict(c[tail]) - r[tail]

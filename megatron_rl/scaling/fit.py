@@ -60,6 +60,15 @@ class Points:
     compute: Array
     R: Array
     R0: float
+    runs: Array | None = None
+    """Which run each point comes from, when repeated runs of one recipe are fitted as one curve (None: one
+    run). The fit pools them; the bootstrap resamples the runs too, so its intervals include their spread."""
+
+    def run_slices(self) -> list[Array]:
+        """Indices of each run's points, in order of compute (one entry for a single run)."""
+        runs = np.zeros(self.compute.size, dtype=int) if self.runs is None else self.runs
+        slices = [np.flatnonzero(runs == r) for r in np.unique(runs)]
+        return [idx[np.argsort(self.compute[idx], kind="stable")] for idx in slices]
 
 
 @dataclass
@@ -82,6 +91,12 @@ class Fit:
 
     def predict(self, compute: ArrayLike) -> Array:
         return sigmoid(compute, self.A, self.B, self.C_mid, self.R0)
+
+    def jacobian(self, compute: ArrayLike) -> Array:
+        """dR/d(A, log C_mid, log B) at `compute` [m, 3], without the A column when A was fixed [m, 2]."""
+        x = np.array([[self.A, math.log(self.C_mid), math.log(self.B)]])
+        _, jac = _model_and_jacobian(x, np.log(np.asarray(compute, dtype=np.float64)), self.R0)
+        return jac[0] if self.A_bounds[0] < self.A_bounds[1] else jac[0][:, 1:]
 
     def efficiency(self, R: ArrayLike) -> Array:
         """F(R) = C_mid^B / ((A - R0)/(R - R0) - 1), equal to C^B on the curve: log F vs log C has slope B.
@@ -106,12 +121,23 @@ class Fit:
         }
 
 
-def prepare(compute: ArrayLike, R: ArrayLike, R0: float | None = None, fit_start: float = 0.0) -> Points:
-    """Validate the curve and cut it. Without `R0`, the lowest-compute point is R0 and is not fitted."""
+def prepare(
+    compute: ArrayLike, R: ArrayLike, R0: float | None = None, fit_start: float = 0.0, runs: ArrayLike | None = None
+) -> Points:
+    """Validate the curve and cut it. Without `R0`, the lowest-compute point is R0 and is not fitted.
+
+    `runs` (one run index per point) pools repeated runs of one recipe into one curve: R0 is then the mean
+    of the runs' lowest-compute points, and each run needs `MIN_POINTS` points after the cut."""
     c = np.asarray(compute, dtype=np.float64)
     r = np.asarray(R, dtype=np.float64)
     if c.ndim != 1 or c.shape != r.shape:
         raise FitError(f"compute and R must be 1-D of equal length, got shapes {c.shape} and {r.shape}")
+    if runs is not None:
+        run = np.asarray(runs)
+        if run.shape != c.shape:
+            raise FitError(f"runs must give one run per point, got shape {run.shape} for {c.shape} points")
+        if np.unique(run).size > 1:
+            return _prepare_runs(c, r, R0, fit_start, run)
     bad = ~(np.isfinite(c) & np.isfinite(r))
     if bad.any():
         raise FitError(f"non-finite values at points {np.flatnonzero(bad).tolist()} (compute, R)")
@@ -133,6 +159,20 @@ def prepare(compute: ArrayLike, R: ArrayLike, R0: float | None = None, fit_start
             f"{MIN_POINTS} are needed: lower --fit-start or wait for more evaluations"
         )
     return Points(c[keep], r[keep], float(R0))
+
+
+def _prepare_runs(c: Array, r: Array, R0: float | None, fit_start: float, runs: Array) -> Points:
+    ids = np.unique(runs)
+    parts = []
+    for j, i in enumerate(ids):  # each run validated and cut on its own
+        try:
+            parts.append(prepare(c[runs == i], r[runs == i], R0, fit_start))
+        except FitError as exc:
+            raise FitError(f"run {j + 1} of {ids.size}: {exc}") from None
+    if R0 is None:
+        R0 = float(np.mean([p.R0 for p in parts]))
+    index = np.concatenate([np.full(p.R.size, j) for j, p in enumerate(parts)])
+    return Points(np.concatenate([p.compute for p in parts]), np.concatenate([p.R for p in parts]), R0, index)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -336,10 +376,12 @@ def fit_curve(
     A_fixed: float | None = None,
     A_max: float = 1.0,
     progress: Callable[[int], None] | None = None,
+    runs: ArrayLike | None = None,
 ) -> Fit:
     """Fit R(C) to the points above `fit_start`; R0 is the lowest-compute point's R unless given.
-    `A_fixed` fits B and C_mid only (the paper's shared-A comparison); `progress` is the paper grid's."""
-    points = prepare(compute, R, R0, fit_start)
+    `A_fixed` fits B and C_mid only (the paper's shared-A comparison); `progress` is the paper grid's;
+    `runs` (a run index per point) fits repeated runs of one recipe as one curve (see `prepare`)."""
+    points = prepare(compute, R, R0, fit_start, runs)
     if method == "fast":
         fit = fit_fast(points, A_fixed=A_fixed, A_max=A_max)
     elif method == "paper":

@@ -25,11 +25,15 @@ def live_prediction(
     n_boot: int = 100,
     level: float = 0.9,
     min_points: int = 8,
+    bootstrap_method: str = "ar",
 ) -> LivePrediction:
     """Fit the validation points in `rows` (metrics rows, as `megatron_rl.metrics.read_metrics` returns
     them; rows without `metric` are skipped) and return `scaling/A`, `scaling/A_lo`, `scaling/A_hi`
-    (the `level` interval), `scaling/B`, `scaling/C_mid`, `scaling/R0`, `scaling/rmse`, `scaling/points`
-    and `scaling/degenerate` (1.0 when the fit or its interval warned; `reason` says why).
+    (the `level` interval; residuals resampled by `bootstrap_method`, autocorrelation-aware by default:
+    scaling/bootstrap.py), `scaling/B`, `scaling/C_mid`, `scaling/R0`, `scaling/rmse`, `scaling/points`,
+    `scaling/phi` (the residuals' AR(1) coefficient) and `scaling/degenerate` (1.0 when the fit or its
+    interval warned; `reason` says why). The interval covers the noise within this run, not run-to-run
+    variation.
 
     Cheap enough for every evaluation: one fast fit and `n_boot` refits in one batch (a few ms). Never
     raises on data: while there are fewer than `min_points` points after `fit_start`, or the fit fails,
@@ -49,7 +53,7 @@ def live_prediction(
         fit = fit_curve(compute, R, fit_start=fit_start)
     except FitError as exc:
         return LivePrediction(reason=str(exc))
-    boot = bootstrap(fit, n=n_boot, level=level)
+    boot = bootstrap(fit, n=n_boot, level=level, method=bootstrap_method)
     lo, hi = boot.interval("A")
     notes = fit.warnings + boot.warnings()
     metrics = {
@@ -61,6 +65,7 @@ def live_prediction(
         "scaling/R0": fit.R0,
         "scaling/rmse": fit.rmse,
         "scaling/points": float(fit.n_points),
+        "scaling/phi": boot.phi,
         "scaling/degenerate": float(bool(notes)),
     }
     return LivePrediction(metrics, reason="; ".join(notes))

@@ -10,6 +10,7 @@ and share its budget (10 x the math curve's C_mid). R0 is 0.30 (Table 1 does not
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,20 +54,38 @@ def synthetic_curve(
     seed: int = 0,
     points: int = EVALS,
     max_compute: float | None = None,
+    phi: float = 0.0,
 ) -> tuple[Array, Array]:
     """The step-0 point (R0, exact) plus `points` evaluations evenly spaced up to `max_compute` (default
-    10 x C_mid), each with Gaussian noise of standard deviation `noise`."""
+    10 x C_mid), each with Gaussian noise of standard deviation `noise`.
+
+    `phi` != 0 makes the noise AR(1) from one evaluation to the next, e_t = phi e_(t-1) + innovation,
+    stationary with the same standard deviation `noise`: the validation points of one run are
+    autocorrelated (the policy drifts slowly around its expected curve), so they carry less information
+    than their number suggests (benchmarks/bench_scaling_fit.py measures the intervals on such curves)."""
+    if not -1 < phi < 1:
+        raise ValueError(f"phi must be in (-1, 1), got {phi}")
     rng = np.random.default_rng(seed)
     budget = SPAN * C_mid if max_compute is None else max_compute
     compute = budget * np.arange(points + 1) / points
     R = sigmoid(compute, A, B, C_mid, R0)
-    R[1:] += rng.normal(0.0, noise, points)
+    if phi == 0:
+        R[1:] += rng.normal(0.0, noise, points)
+        return compute, R
+    shocks = rng.normal(0.0, noise, points)
+    e = np.empty(points)
+    e[0] = shocks[0]  # stationary start: the first value already has the marginal spread
+    for t in range(1, points):
+        e[t] = phi * e[t - 1] + math.sqrt(1 - phi**2) * shocks[t]
+    R[1:] += e
     return compute, R
 
 
-def table1_curve(name: str, noise: float = 0.0075, seed: int = 0, span: float = SPAN) -> tuple[Array, Array]:
+def table1_curve(
+    name: str, noise: float = 0.0075, seed: int = 0, span: float = SPAN, phi: float = 0.0
+) -> tuple[Array, Array]:
     C_mid, B, A = TABLE1[name]
-    return synthetic_curve(A, B, C_mid, noise=noise, seed=seed, max_compute=table1_budget(name, span))
+    return synthetic_curve(A, B, C_mid, noise=noise, seed=seed, max_compute=table1_budget(name, span), phi=phi)
 
 
 def write_metrics_jsonl(

@@ -87,8 +87,11 @@ def test_errors_exit_2_with_the_reason(tmp_path, capsys):
     assert "column 'val/pass_rate/code' missing" in capsys.readouterr().err
     assert fit_main([str(path), "--fit-start", "24000"]) == 2
     assert "only 3 points after the warm-up cut (fit_start=24000, last compute 25000)" in capsys.readouterr().err
-    assert fit_main([f"a={path}", f"a={path}"]) == 2
+    twin = _run(tmp_path / "b.jsonl", "a", 0.61, 1.92, 2542, 2)  # a different run whose header name is also "a"
+    assert fit_main([str(path), str(twin)]) == 2
     assert "share the labels ['a']" in capsys.readouterr().err
+    assert fit_main([f"a={path}", f"a={path}"]) == 2
+    assert "the same file is given twice for 'a'" in capsys.readouterr().err
     assert fit_main([str(path), "--extrapolate-from", "soon"]) == 2
     assert "'half', got 'soon'" in capsys.readouterr().err
     assert fit_main([str(path), "--level", "90"]) == 2
@@ -165,3 +168,22 @@ def test_a_partial_last_line_is_left_out_with_a_warning_a_bad_line_inside_is_an_
     path.write_text("\n".join([lines[0], lines[1][:10], *lines[2:-1]]) + "\n")
     assert fit_main([str(path), "--bootstrap", "0"]) == 2
     assert "a.jsonl:2: not JSON" in capsys.readouterr().err
+
+
+def test_repeated_runs_under_one_label_are_one_curve_whose_intervals_include_their_spread(tmp_path, capsys):
+    runs = [_run(tmp_path / f"a{i}.jsonl", f"seed{i}", A, 1.9, 2500, i) for i, A in enumerate([0.60, 0.62, 0.61])]
+    other = _run(tmp_path / "b.jsonl", "b", 0.66, 1.5, 4000, 9)
+    argv = [*(f"recipe={p}" for p in runs), f"other={other}", "--fit-start", "1500", "--compare", "--bootstrap", "200"]
+    assert fit_main([*argv, "--json", str(tmp_path / "f.json"), "--plot", str(tmp_path / "p.png")]) == 0
+    text = capsys.readouterr().out
+    header, recipe, row_b = text.splitlines()[:3]
+    assert header.split()[-2:] == ["runs", "phi"] and recipe.split()[0] == "recipe" and row_b.split()[0] == "other"
+    assert "intervals include run-to-run variation" in text
+    payload = json.loads((tmp_path / "f.json").read_text())["runs"]
+    assert payload["recipe"]["runs"] == 3 and payload["other"]["runs"] == 1
+    assert payload["recipe"]["n_points"] == 3 * 71 and payload["recipe"]["bootstrap_method"] == "ar"
+    assert payload["recipe"]["A_lo"] < 0.605 and payload["recipe"]["A_hi"] > 0.615  # the runs' spread
+
+    assert fit_main([str(runs[0]), "--fit-start", "1500", "--bootstrap", "100", "--bootstrap-method", "iid"]) == 0
+    text = capsys.readouterr().out
+    assert "residuals resampled independently" in text and "cover the noise within each run" in text
