@@ -88,11 +88,12 @@ def ar1_coefficient(series: Sequence[ArrayLike], bases: Sequence[Array] | None =
     of the lag-1 autocorrelation, about -(1 + 3 phi) / n, Marriott & Pope 1954). `bases` gives, per series,
     an orthonormal basis [m, q] of what was removed (the fitted curve's Jacobian and the constant: see
     `removed_basis`); default the constant only. Pooled over the series; clipped to `PHI_BOUNDS`; 0 when no
-    series has 3 points."""
+    series has 3 points and 2 more than the basis has columns."""
     arrays = [np.asarray(e, dtype=np.float64) for e in series]
     if bases is None:
         bases = [np.full((e.size, 1), 1 / math.sqrt(max(e.size, 1))) for e in arrays]
-    kept = [(e - e.mean(), q) for e, q in zip(arrays, bases, strict=True) if e.size >= 3]
+    # A series needs points left over after what the fit removed (2 at least) to show an autocorrelation.
+    kept = [(e - e.mean(), q) for e, q in zip(arrays, bases, strict=True) if e.size >= max(3, q.shape[1] + 2)]
     den = sum(float(e[:-1] @ e[:-1]) for e, _ in kept)
     if den <= 0:
         return 0.0
@@ -260,8 +261,10 @@ def bootstrap(fit: Fit, n: int = 1000, level: float = 0.9, seed: int = 0, method
         # What the fit removed is partly the noise's slow (autocorrelated) part: scale the residuals back
         # to the spread AR(phi) noise has before a fit (sum(diag) is its expected residual sum of squares
         # per unit variance), the autocorrelated analogue of sqrt(m / (m - p)).
+        # Floored at 1 per series as sqrt(m / max(m - p, 1)) is: a curve with as many points as parameters.
         moments = [_ar_residual_moments(phi, q) for q in bases]
-        scale = math.sqrt(sum(e.size for e in series) / sum(diag.sum() for diag, _ in moments))
+        kept = sum(max(float(diag.sum()), 1.0) for diag, _ in moments)
+        scale = math.sqrt(sum(e.size for e in series) / kept)
         series = [scale * e for e in series]
     block = block_length(phi, min(e.size for e in series)) if method == "block" else 1
     noise = np.empty((n, points.R.size))

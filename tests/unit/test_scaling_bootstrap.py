@@ -104,6 +104,15 @@ def test_the_ar1_estimator_recovers_phi_of_a_known_series_and_of_fit_residuals()
     assert block_length(0.0, 71) == 1 and 10 <= block_length(0.8, 71) <= 15 and block_length(0.99, 30) == 10
 
 
+def test_a_curve_with_as_many_points_as_the_fit_needs_bootstraps_under_every_method():
+    # 4 points, 3 parameters and the mean: the residuals leave nothing to estimate an autocorrelation from.
+    compute, R = synthetic_curve(0.61, 1.92, 2542, noise=0.01, seed=0, points=4, max_compute=25000)
+    fit = fit_curve(compute, R)
+    for method in ("ar", "block", "iid"):
+        boot = bootstrap(fit, n=50, method=method)
+        assert boot.phi == 0.0 and np.isfinite(boot.samples).all()
+
+
 def test_the_ar_bootstrap_widens_intervals_on_autocorrelated_noise_and_not_on_independent_noise():
     ratios = {0.0: [], 0.8: []}
     for phi in ratios:
