@@ -9,6 +9,11 @@ megatron-rl fit runs/*/metrics.jsonl --axis rollout.generations_per_prompt   lab
 megatron-rl fit run.jsonl --metric 'val/pass_rate/*'       one curve per task
 megatron-rl fit export.csv --compute-col gpu_hours --metric val/pass_rate   a wandb CSV export
 
+Warm-up cut: --fit-start, else the paper's 1,500 when the compute column is GPU-hours (device_hours,
+gpu_hours) and the fitted range reaches beyond 3,000, else none. Every run prints one line naming the
+choices that differ from the paper's procedure (fit start, --method fast vs its grid, R0), also under
+"differs_from_paper" in --json (whose "fit_start" is null under the default; each curve's is in its entry).
+
 Intervals: residual bootstrap; by default the residuals are resampled as an AR(1) series, since the
 validation points of one run are autocorrelated. They cover the evaluation noise within one run; the
 run-to-run variation of a recipe (the paper's +/-0.02 on A) is in them only when repeated runs are given
@@ -48,7 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("runs", nargs="+", metavar="RUN", help="metrics JSONL or CSV (or a run directory), or label=path")
-    p.add_argument("--fit-start", type=float, default=0.0, help="warm-up cut in compute units (paper: 1500)")
+    p.add_argument(
+        "--fit-start",
+        type=float,
+        default=None,
+        help="warm-up cut in compute units (paper: 1500 GPU-hours). Default: 1500 when the compute column is "
+        "GPU-hours (device_hours, gpu_hours) and the fitted range reaches beyond 3000, else 0",
+    )
     p.add_argument("--predict-at", type=float, nargs="+", default=[], metavar="C", help="predict R here (+ interval)")
     p.add_argument("--plot", default=None, metavar="OUT", help="write the figure (.png; .svg also writes a .png)")
     p.add_argument("--title", default=None, help="plot title")
@@ -118,6 +129,52 @@ def _load(args: argparse.Namespace) -> list[Curve]:
     return curves
 
 
+PAPER_FIT_START = 1500.0
+"""The paper's warm-up cut, in GPU-hours (about one epoch)."""
+GPU_HOURS = ("device_hours", "gpu_hours")
+"""Compute columns in GPU-hours, the unit of the paper's cut."""
+
+
+def _in_gpu_hours(args: argparse.Namespace) -> bool:
+    return args.compute_col in GPU_HOURS and args.compute_scale == 1
+
+
+def _fit_start(curve: Curve, cut: float | None, args: argparse.Namespace) -> float:
+    """--fit-start when given; else the paper's 1,500 GPU-hours when the compute is in GPU-hours and the
+    fitted range reaches beyond twice that (a shorter curve would keep too little after the cut), else 0."""
+    if args.fit_start is not None:
+        return args.fit_start
+    end = float(curve.compute.max()) if cut is None else min(cut, float(curve.compute.max()))
+    return PAPER_FIT_START if _in_gpu_hours(args) and end > 2 * PAPER_FIT_START else 0.0
+
+
+def paper_differences(args: argparse.Namespace, results: list[Result]) -> list[str]:
+    """The choices of this fit that differ from the paper's procedure (SCALERL.md §1)."""
+    out = []
+    if not _in_gpu_hours(args):
+        scale = f" x {args.compute_scale:g}" if args.compute_scale != 1 else ""
+        out.append(f"compute column {args.compute_col!r}{scale} (paper: GPU-hours)")
+    off = [r.curve.label for r in results if r.fit.fit_start != PAPER_FIT_START]
+    if off and args.fit_start is not None:
+        out.append(f"--fit-start {args.fit_start:g} (paper: {PAPER_FIT_START:,.0f} GPU-hours)")
+    elif off and _in_gpu_hours(args):
+        names = ", ".join(off) if len(off) < len(results) else "every curve"
+        out.append(
+            f"no warm-up cut for {names}: the fitted range ends at or below 2 x {PAPER_FIT_START:,.0f} GPU-hours "
+            f"(paper: cut at {PAPER_FIT_START:,.0f}, --fit-start sets one)"
+        )
+    elif off:
+        out.append(f"no warm-up cut (paper: {PAPER_FIT_START:,.0f} GPU-hours, --fit-start sets one in these units)")
+    if args.method == "fast":
+        out.append("--method fast (paper: its grid over A and C_mid, --method paper)")
+    if args.r0 is not None:
+        out.append(f"--r0 {args.r0:g} (paper: R0 is the step-0 evaluation)")
+    late = [r.curve.label for r in results if r.curve.steps is not None and r.curve.steps[0] > 1]
+    if late:
+        out.append(f"R0 of {', '.join(late)} is not a step-0 evaluation (paper: step 0)")
+    return out
+
+
 def _progress(total: int, desc: str):
     from tqdm import tqdm
 
@@ -142,7 +199,7 @@ def _fit(curves: list[Curve], args: argparse.Namespace) -> tuple[list[Result], l
             try:
                 result = fit_run(
                     curve,
-                    fit_start=args.fit_start,
+                    fit_start=_fit_start(curve, cut, args),
                     method=args.method,
                     n_boot=args.bootstrap,
                     level=args.level,
@@ -185,7 +242,14 @@ def _payload(results: list[Result], args: argparse.Namespace, shared: list) -> d
     for g in shared:
         refits = {r.curve.label: {"B": f.B, "C_mid": f.C_mid} for r, f in zip(g.results, g.refits, strict=True)}
         groups.append({"A": g.A, "runs": refits})
-    return {"axis": args.axis, "fit_start": args.fit_start, "method": args.method, "runs": runs, "shared_A": groups}
+    return {
+        "axis": args.axis,
+        "fit_start": args.fit_start,
+        "method": args.method,
+        "differs_from_paper": paper_differences(args, results),
+        "runs": runs,
+        "shared_A": groups,
+    }
 
 
 def _check_args(args: argparse.Namespace) -> str | None:
@@ -233,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.extrapolate_from is not None and results:
         print()
         print(extrapolation_table(results))
+    if results:
+        differences = paper_differences(args, results)
+        if differences:
+            print("differs from the paper: " + "; ".join(differences))
+        else:
+            print(f"as in the paper: fit start {PAPER_FIT_START:,.0f} GPU-hours, its grid method, R0 at step 0")
     if args.plot:
         from megatron_rl.scaling.plot import plot_results
 

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from megatron_rl.cli import main as top_main
+from megatron_rl.scaling.cli import build_parser, paper_differences
 from megatron_rl.scaling.cli import main as fit_main
 from megatron_rl.scaling.compare import Result, shared_asymptote
-from megatron_rl.scaling.curves import Curve
+from megatron_rl.scaling.curves import Curve, load_curves
 from megatron_rl.scaling.fit import fit_curve
 from megatron_rl.scaling.plot import plot_results
 from megatron_rl.scaling.synthetic import synthetic_curve, write_metrics_jsonl
@@ -187,3 +188,49 @@ def test_repeated_runs_under_one_label_are_one_curve_whose_intervals_include_the
     assert fit_main([str(runs[0]), "--fit-start", "1500", "--bootstrap", "100", "--bootstrap-method", "iid"]) == 0
     text = capsys.readouterr().out
     assert "residuals resampled independently" in text and "cover the noise within each run" in text
+
+
+def _differences(text):
+    (line,) = [x for x in text.splitlines() if x.startswith(("differs from the paper: ", "as in the paper: "))]
+    return line
+
+
+def test_the_warm_up_cut_defaults_to_the_papers_on_gpu_hours_and_every_run_says_what_differs(tmp_path, capsys):
+    long = _run(tmp_path / "long.jsonl", "long", 0.61, 1.92, 2542, 1)  # up to 25,000 device-hours
+    compute, R = synthetic_curve(0.61, 1.92, 800, noise=0.005, seed=2, max_compute=2800)
+    short = write_metrics_jsonl(tmp_path / "short.jsonl", compute, R, {"name": "short"})  # ends below 2 x 1,500
+    report = tmp_path / "f.json"
+    assert fit_main([str(long), str(short), "--bootstrap", "0", "--json", str(report)]) == 0
+    line = _differences(capsys.readouterr().out)
+    payload = json.loads(report.read_text())
+    assert payload["fit_start"] is None
+    assert payload["runs"]["long"]["fit_start"] == 1500 and payload["runs"]["short"]["fit_start"] == 0
+    assert payload["differs_from_paper"] == line.removeprefix("differs from the paper: ").split("; ")
+    assert [x.split(" (")[0].split(":")[0] for x in payload["differs_from_paper"]] == [
+        "no warm-up cut for short",
+        "--method fast",
+    ]
+
+    # An explicit --fit-start is honoured whatever the curve (the training loop passes one).
+    assert fit_main([str(long), str(short), "--fit-start", "0", "--bootstrap", "0", "--json", str(report)]) == 0
+    assert "--fit-start 0 (paper: 1,500 GPU-hours)" in _differences(capsys.readouterr().out)
+    assert {r["fit_start"] for r in json.loads(report.read_text())["runs"].values()} == {0}
+    assert fit_main([str(short), "--fit-start", "1500", "--bootstrap", "0", "--json", str(report)]) == 0
+    assert json.loads(report.read_text())["runs"]["short"]["fit_start"] == 1500
+    assert (
+        _differences(capsys.readouterr().out)
+        == "differs from the paper: --method fast (paper: its grid over A and C_mid, --method paper)"
+    )
+
+    # Compute in other units: no default cut; R0 given instead of measured.
+    assert fit_main([str(long), "--compute-col", "step", "--r0", "0.3", "--bootstrap", "0", "--json", str(report)]) == 0
+    line = _differences(capsys.readouterr().out)
+    assert "compute column 'step' (paper: GPU-hours)" in line and "no warm-up cut (paper: 1,500" in line
+    assert "--r0 0.3 (paper: R0 is the step-0 evaluation)" in line
+    assert json.loads(report.read_text())["runs"]["long"]["fit_start"] == 0
+
+    # The paper's own choices: nothing to list.
+    args = build_parser().parse_args([str(long), "--method", "paper"])
+    (curve,) = load_curves(long)
+    result = Result(curve, fit_curve(curve.compute, curve.R, fit_start=1500), None)
+    assert paper_differences(args, [result]) == []
