@@ -148,8 +148,8 @@ def local_ray():
 
 
 def test_killed_engine_is_restarted_resynced_and_counted(tmp_path, monkeypatch, local_ray):
-    """Strict. On the 2-core machine with two busy-looping processes beside it (9-10 minutes a run there) it
-    passed 3 runs out of 3 in a row, after the push path it exercises was rewritten (per-engine deadlines,
+    """Strict. On the 2-core machine with two busy-looping processes beside it (7-12 minutes a run there) it
+    passed 10 runs out of 10 in a row, after the push path it exercises was rewritten (per-engine deadlines,
     SyncError naming the engine to restart, a hung engine skipped when the update session is closed);
     before that rewrite it failed intermittently at the push fault."""
     from megatron_rl.orchestration.train import train
