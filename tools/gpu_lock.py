@@ -8,7 +8,9 @@
 The lock is `uv pip compile` of pyproject.toml's dependencies with its `gpu` and `dev` extras plus the pins in
 env/gpu-requirements.in, for linux x86_64 and Python 3.12 (megatron-core >= 0.17 declares Python >= 3.12), with
 `--exclude-newer` set to the day it was made. --check runs that exact command again: the same inputs give the same
-versions as long as PyPI still serves them, so a difference means the inputs changed (pyproject.toml or
+versions as long as PyPI serves what it served then. When it resolves to other versions, it resolves once more
+with the lock's pins as constraints: the lock again means only the index changed (releases dated before the
+cut-off that it now lists: reported, not an error); anything else means the inputs changed (pyproject.toml or
 env/gpu-requirements.in: run --update) or something the lock names was removed from PyPI. --check needs PyPI
 (about 10-20 s); without it, it says so and exits 3. --install-uv first installs the uv this script expects into the
 running interpreter's environment. The offline half of the check (the lock against the versions the code pins) is
@@ -186,15 +188,16 @@ def probe_index(timeout: float = 20.0) -> None:
         ) from exc
 
 
-def resolve(exclude_newer: str) -> str:
-    """Run the lock's `uv pip compile` (to stdout) and return its output."""
+def resolve(exclude_newer: str, constraints: str | None = None) -> str:
+    """Run the lock's `uv pip compile` (to stdout), optionally constrained by a requirements file, and return
+    its output."""
     uv = _uv()
     if _uv_version(uv) != UV_VERSION:
         print(f"gpu_lock: note: uv {_uv_version(uv)} here, the lock was made with uv {UV_VERSION}", file=sys.stderr)
     env = {**os.environ, "UV_HTTP_TIMEOUT": os.environ.get("UV_HTTP_TIMEOUT", "30")}
     try:
         done = subprocess.run(
-            [uv, *compile_args(exclude_newer)[1:]],
+            [uv, *compile_args(exclude_newer)[1:], *(["-c", constraints] if constraints else [])],
             cwd=REPO,
             env=env,
             capture_output=True,
@@ -238,16 +241,37 @@ def check() -> int:
         )
     probe_index()
     locked, fresh = parse_pins(text), parse_pins(resolve(exclude_newer))
-    if locked != fresh:
-        old = [f"{n}=={v}" for n, v in sorted(locked.items())]
-        new = [f"{n}=={v}" for n, v in sorted(fresh.items())]
-        diff = "\n".join(difflib.unified_diff(old, new, LOCK, "resolved now", lineterm="", n=0))
+    if locked == fresh:
+        print(f"gpu_lock: {LOCK} resolves again to the same {len(locked)} packages (exclude-newer {exclude_newer})")
+        return 0
+    # The index can list releases dated before the cut-off that it did not serve when the lock was made
+    # (upload times are the uploader's, mirrors catch up late). Whether the inputs changed is then told by
+    # resolving with the lock's pins as constraints: unchanged inputs give exactly the lock again.
+    try:
+        pinned = parse_pins(resolve(exclude_newer, constraints=LOCK))
+    except LockError as exc:
+        if exc.status == 3:
+            raise
         raise LockError(
-            f"{LOCK} is stale: the same command now resolves to other versions (pyproject.toml or {INPUT} "
-            f"changed?):\n{diff}\nregenerate it: python tools/gpu_lock.py --update"
+            f"{LOCK} is stale: its pins no longer satisfy pyproject.toml and {INPUT} (changed?):\n{exc}\n"
+            "regenerate it: python tools/gpu_lock.py --update"
+        ) from exc
+    if pinned != locked:
+        raise LockError(
+            f"{LOCK} is stale: pyproject.toml or {INPUT} changed what it must hold:\n"
+            f"{_diff(locked, pinned, 'resolved now')}\nregenerate it: python tools/gpu_lock.py --update"
         )
-    print(f"gpu_lock: {LOCK} resolves again to the same {len(locked)} packages (exclude-newer {exclude_newer})")
+    print(
+        f"gpu_lock: {LOCK} still resolves to its {len(locked)} packages; the index now also lists newer releases "
+        f"dated before the cut-off {exclude_newer} (move to them with --update):\n{_diff(locked, fresh, 'newer')}"
+    )
     return 0
+
+
+def _diff(locked: dict[str, str], other: dict[str, str], label: str) -> str:
+    old = [f"{n}=={v}" for n, v in sorted(locked.items())]
+    new = [f"{n}=={v}" for n, v in sorted(other.items())]
+    return "\n".join(difflib.unified_diff(old, new, LOCK, label, lineterm="", n=0))
 
 
 def installed() -> int:

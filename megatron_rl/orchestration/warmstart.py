@@ -4,7 +4,9 @@ RL improves a policy that sometimes succeeds; a random 1M-parameter model never 
 therefore first fine-tunes its freshly built model on worked solutions of the synthetic task (plain
 torch on the Hugging Face model, loss on the completion tokens only) for a fixed number of steps, then
 starts RL from that checkpoint. The warm-up is deliberately short: the RL phase must have headroom.
-The result is cached by its inputs, so repeated runs skip it.
+The result is cached by its inputs (the directory name ends with their hash, so runs with different data
+splits keep their own policies side by side) and written atomically, so repeated runs skip it and
+concurrent ones never read a half-written policy.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import json
 import random
 import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,8 +51,8 @@ def warm_start(
     if len(tasks) > 1:
         inputs.append([(len(t.prompts), t.solution.__name__, t.weight) for t in tasks])
     key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
-    marker = out_dir / "warm_start.json"
-    if marker.exists() and json.loads(marker.read_text()).get("key") == key:
+    out_dir = out_dir.with_name(f"{out_dir.name}-{key}")
+    if _complete(out_dir, key):
         return out_dir
 
     torch.manual_seed(seed)
@@ -91,14 +94,31 @@ def warm_start(
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        losses.append(float(loss))
+        losses.append(loss.item())
 
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    model.save_pretrained(staging, safe_serialization=True)
+    tokenizer.save_pretrained(staging)
     for extra in ("generation_config.json",):
         if (model_dir / extra).exists():
-            shutil.copy(model_dir / extra, out_dir / extra)
-    marker.write_text(json.dumps({"key": key, "steps": steps, "final_loss": sum(losses[-10:]) / 10}))
+            shutil.copy(model_dir / extra, staging / extra)
+    (staging / MARKER).write_text(json.dumps({"key": key, "steps": steps, "final_loss": sum(losses[-10:]) / 10}))
+    if out_dir.exists() and not _complete(out_dir, key):
+        shutil.rmtree(out_dir)  # an interrupted write from before atomic staging
+    try:
+        staging.rename(out_dir)
+    except OSError:  # a concurrent run with the same inputs finished first: same policy, keep theirs
+        shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+MARKER = "warm_start.json"
+
+
+def _complete(out_dir: Path, key: str) -> bool:
+    marker = out_dir / MARKER
+    try:
+        return json.loads(marker.read_text()).get("key") == key
+    except (OSError, ValueError):
+        return False

@@ -1,0 +1,43 @@
+"""The warm-up cache: one policy per set of inputs, side by side, written atomically, reused when complete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from megatron_rl.config import ModelConfig, build, load_model_dict
+from megatron_rl.data.datasets import Prompt
+from megatron_rl.data.synthetic import arithmetic_rows, arithmetic_solution
+from megatron_rl.data.tiny import build_tiny_model
+from megatron_rl.orchestration.warmstart import WarmupTask, warm_start
+
+
+def _prompts(n: int) -> list[Prompt]:
+    return [Prompt(str(r["id"]), "math", str(r["prompt"]), str(r["answer"])) for r in arithmetic_rows(0)[:n]]
+
+
+def test_each_data_split_keeps_its_own_warm_policy_and_a_complete_one_is_reused(tmp_path: Path) -> None:
+    base = build_tiny_model(tmp_path / "base", build(ModelConfig, load_model_dict("cpu_demo")), seed=3)
+    out = tmp_path / "cache" / "warm"
+
+    def run(prompts: int) -> Path:
+        return warm_start(base, out, [WarmupTask(_prompts(prompts), arithmetic_solution)], steps=2, batch_size=4)
+
+    small, large = run(40), run(60)  # e.g. two runs whose val_prompts differ: different training splits
+    assert small != large and small.parent == large.parent == out.parent
+    assert sorted(p.name for p in out.parent.iterdir()) == sorted([small.name, large.name])  # no staging left
+    for path in (small, large):
+        assert (path / "config.json").exists() and (path / "tokenizer.json").exists()
+        assert json.loads((path / "warm_start.json").read_text())["steps"] == 2
+
+    weights = (small / "model.safetensors").stat().st_mtime_ns
+    assert run(40) == small and (small / "model.safetensors").stat().st_mtime_ns == weights  # reused, not rebuilt
+
+    # A policy directory without its marker (a write interrupted before staging existed) is rebuilt.
+    (small / "warm_start.json").unlink()
+    (small / "model.safetensors").write_bytes(b"torn")
+    assert run(40) == small
+    assert load_file(str(small / "model.safetensors"))  # a readable checkpoint again
+    assert json.loads((small / "warm_start.json").read_text())["steps"] == 2
