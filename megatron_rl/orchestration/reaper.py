@@ -79,7 +79,7 @@ class Reaper:
         deadline = time.monotonic() + leftovers_grace_s
         while tagged(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.1)
-        return sweep(self.run_id, quiet_s=0.5)
+        return sweep(self.run_id, quiet_s=0.5, watch_s=0.0)
 
 
 def tagged(run_id: str) -> set[int]:
@@ -95,13 +95,19 @@ def tagged(run_id: str) -> set[int]:
     return found
 
 
-def sweep(run_id: str, timeout_s: float = 60.0, quiet_s: float = 3.0) -> list[str]:
-    """SIGKILL the run's processes until none has been seen for `quiet_s` (a process being spawned when its
-    parent was killed, such as a Ray agent, appears a moment later) or `timeout_s` passed; returns what was
-    killed ("pid command")."""
+def sweep(run_id: str, timeout_s: float = 60.0, quiet_s: float = 3.0, watch_s: float = 15.0) -> list[str]:
+    """SIGKILL the run's processes until none has been seen for `quiet_s` and `watch_s` have passed, or
+    `timeout_s` passed; returns what was killed ("pid command"). A process being spawned when its parent was
+    killed appears a moment later; on a loaded machine Ray's dashboard and runtime-env agents appeared after
+    3 quiet seconds (load average 19), hence the watch."""
     killed: dict[int, str] = {}
     start = last_seen = time.monotonic()
-    while time.monotonic() - last_seen < quiet_s and time.monotonic() - start < timeout_s:
+
+    def watching() -> bool:
+        now = time.monotonic()
+        return (now - last_seen < quiet_s or now - start < watch_s) and now - start < timeout_s
+
+    while watching():
         alive = tagged(run_id)
         if alive:
             last_seen = time.monotonic()
