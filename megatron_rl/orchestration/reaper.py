@@ -11,7 +11,10 @@ the workers), the SGLang servers and their schedulers, the reward worker process
 run. The watcher runs in a session of its own, without the tag, and blocks on the read end of a pipe
 whose write end only the driver holds. A driver that dies for any reason, SIGKILL included (the OOM
 killer, a lost `scancel --signal=KILL`), closes the pipe: the watcher then SIGKILLs every process that
-carries the tag, until none is left. A driver that ends cleanly writes a byte first and the watcher exits
+carries the tag and every descendant of one, until none is left. Descendants count whatever their
+environment: Ray's raylet starts its dashboard and runtime-env agents with an environment of its own,
+without the tag. While the driver lives the watcher notes the run's processes every 2 s, so an orphan whose
+tagged parent died first is still ended. A driver that ends cleanly writes a byte first and the watcher exits
 without a sweep; the driver has shut down what it started (Ray included, if it started Ray) and waits for
 its processes to be gone, killing any straggler itself. Until then the watcher stands guard, so a driver
 killed in the middle of its own shutdown leaves nothing either.
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -77,7 +81,7 @@ class Reaper:
         if leftovers_grace_s is None:
             return []
         deadline = time.monotonic() + leftovers_grace_s
-        while tagged(self.run_id) and time.monotonic() < deadline:
+        while run_processes(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.1)
         return sweep(self.run_id, quiet_s=0.5, watch_s=0.0)
 
@@ -95,20 +99,59 @@ def tagged(run_id: str) -> set[int]:
     return found
 
 
-def sweep(run_id: str, timeout_s: float = 60.0, quiet_s: float = 3.0, watch_s: float = 15.0) -> list[str]:
-    """SIGKILL the run's processes until none has been seen for `quiet_s` and `watch_s` have passed, or
-    `timeout_s` passed; returns what was killed ("pid command"). A process being spawned when its parent was
-    killed appears a moment later; on a loaded machine Ray's dashboard and runtime-env agents appeared after
-    3 quiet seconds (load average 19), hence the watch."""
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, None if it is gone or a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+
+
+def run_processes(run_id: str) -> dict[int, int]:
+    """The run's live processes, pid -> start time: the tagged ones and all their descendants. Descendants
+    count whatever their environment: Ray's raylet starts its dashboard and runtime-env agents with an
+    environment of its own making, without the tag."""
+    stats = {
+        pid: st for pid in (int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()) if (st := _stat(pid))
+    }
+    children: dict[int, list[int]] = {}
+    for pid, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(pid)
+    found, todo = set(), [pid for pid in tagged(run_id) if pid in stats]
+    while todo:
+        pid = todo.pop()
+        if pid not in found and pid != os.getpid():
+            found.add(pid)
+            todo += children.get(pid, [])
+    return {pid: stats[pid][1] for pid in found}
+
+
+def sweep(
+    run_id: str,
+    timeout_s: float = 60.0,
+    quiet_s: float = 3.0,
+    watch_s: float = 15.0,
+    known: dict[int, int] | None = None,
+) -> list[str]:
+    """SIGKILL the run's processes (`run_processes`, and those of `known`, pid -> start time, that still
+    run: a snapshot taken while the driver lived, for orphans whose tagged parent died first) until none has
+    been seen for `quiet_s` and `watch_s` have passed, or `timeout_s` passed; returns what was killed
+    ("pid command"). A process being spawned when its parent was killed appears a moment later, hence the
+    watch."""
     killed: dict[int, str] = {}
     start = last_seen = time.monotonic()
+    known = dict(known or {})
 
     def watching() -> bool:
         now = time.monotonic()
         return (now - last_seen < quiet_s or now - start < watch_s) and now - start < timeout_s
 
     while watching():
-        alive = tagged(run_id)
+        alive = run_processes(run_id)
+        for pid, started in known.items():
+            if (st := _stat(pid)) is not None and st[1] == started:  # the same process, not a reused pid
+                alive[pid] = started
         if alive:
             last_seen = time.monotonic()
         for pid in alive:
@@ -122,11 +165,21 @@ def sweep(run_id: str, timeout_s: float = 60.0, quiet_s: float = 3.0, watch_s: f
     return list(killed.values())
 
 
+SNAPSHOT_S = 2.0
+"""While the driver lives, the watcher notes the run's processes this often (for `sweep`'s `known`)."""
+
+
 def main(argv: list[str]) -> int:
     run_id, read_fd = argv[0], int(argv[1])
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C in the driver's terminal is the driver's to handle
     message = b""
+    known: dict[int, int] = {}
     while True:
+        ready, _, _ = select.select([read_fd], [], [], SNAPSHOT_S)
+        if not ready:  # note the run's processes, keeping those noted before that still run (orphans)
+            known = {pid: t for pid, t in known.items() if (st := _stat(pid)) is not None and st[1] == t}
+            known.update(run_processes(run_id))
+            continue
         try:
             chunk = os.read(read_fd, 1)
         except InterruptedError:
@@ -136,7 +189,7 @@ def main(argv: list[str]) -> int:
         message += chunk
     if CLEAN_EXIT in message:
         return 0
-    killed = sweep(run_id)
+    killed = sweep(run_id, known=known)
     if killed:
         print(f"megatron-rl: the driver died; ended {len(killed)} processes of its run", file=sys.stderr, flush=True)
     return 0

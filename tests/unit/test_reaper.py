@@ -2,7 +2,8 @@
 
 The driver here is a small Python process that starts the watcher, then children that would otherwise
 outlive it: each in a session of its own (as Ray's agents and the SGLang servers are), one of them a
-grandchild. Nothing is faked: the driver is SIGKILLed and the real watcher sweeps.
+grandchild, and grandchildren started without the run's tag (as Ray's raylet starts its agents), one of
+them orphaned before the driver dies. Nothing is faked: the driver is SIGKILLed and the real watcher sweeps.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,15 @@ DRIVER = textwrap.dedent(
     spawn = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:], start_new_session=True); time.sleep(600)"
     nested = [sys.executable, "-c", spawn, *sleeper]
     children = [subprocess.Popen(sleeper, start_new_session=True), subprocess.Popen(nested, start_new_session=True)]
+    # As Ray's raylet starts its agents: grandchildren with an environment of their own (no tag), one under a
+    # parent that stays, one orphaned when its parent exits after 5 s, before the driver is killed (a raylet
+    # that died first).
+    token = sys.argv[2]
+    clean = "import os, subprocess, sys; "
+    clean += "subprocess.Popen(sys.argv[2:], env={'PATH': os.environ['PATH']}, start_new_session=True)"
+    untagged = sleeper + [token]
+    subprocess.Popen([sys.executable, "-c", clean + "; __import__('time').sleep(600)", "x", *untagged])
+    subprocess.Popen([sys.executable, "-c", clean + "; __import__('time').sleep(5)", "x", *untagged])
     print(reaper.process.pid, *(c.pid for c in children), flush=True)
     if sys.argv[1] == "clean":
         reaper.stop()
@@ -56,9 +67,23 @@ def _tagged_pids(run_marker: str) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-def _start_driver(mode: str) -> tuple[subprocess.Popen, list[int]]:
+def _with_token(token: str) -> list[int]:
+    """Live sleepers with `token` as their argument (the untagged grandchildren)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if argv[2:4] == [b"import time; time.sleep(600)", token.encode()]:
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return [p for p in pids if _alive(p)]
+
+
+def _start_driver(mode: str, token: str = "-") -> tuple[subprocess.Popen, list[int]]:
     driver = subprocess.Popen(
-        [sys.executable, "-c", DRIVER, mode], stdout=subprocess.PIPE, text=True, start_new_session=True
+        [sys.executable, "-c", DRIVER, mode, token], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
     reaper_pid, *children = map(int, driver.stdout.readline().split())
     return driver, [reaper_pid, *children]
@@ -74,15 +99,21 @@ def _wait_until(condition, timeout_s: float = 20.0) -> bool:
 
 
 def test_processes_started_by_a_sigkilled_driver_are_ended():
-    driver, (reaper, *children) = _start_driver("kill")
+    token = f"untagged-{uuid.uuid4().hex}"
+    driver, (reaper, *children) = _start_driver("kill", token)
     tag = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"MEGATRON_RL_RUN_ID=")[1].split(b"\0")[0]
-    # two children and a grandchild (/proc shows the driver's environment as it was at exec: untagged)
-    assert _wait_until(lambda: len(_tagged_pids(tag.decode())) == 3)
+    # two children and a grandchild (/proc shows the driver's environment as it was at exec: untagged), and
+    # the spawner of an untagged grandchild that stays
+    assert _wait_until(lambda: len(_tagged_pids(tag.decode())) == 4)
+    assert _wait_until(lambda: len(_with_token(token)) == 2)  # the untagged grandchildren
+    # The watcher notes the run's processes every 2 s: the orphan-to-be is among them before its parent exits.
+    time.sleep(7)
     os.kill(driver.pid, signal.SIGKILL)
     driver.wait()
     assert _wait_until(lambda: not _tagged_pids(tag.decode())), _tagged_pids(tag.decode())
-    # A process of the run that appears late (a Ray agent spawned as the raylet died, on a loaded machine),
-    # after 3 quiet seconds, is still ended: the watcher keeps sweeping for 15 s.
+    assert _wait_until(lambda: not _with_token(token)), "an untagged descendant of the run outlived it"
+    # A process of the run that appears late (spawned as its parent was killed), after 3 quiet seconds, is
+    # still ended: the watcher keeps sweeping for 15 s.
     time.sleep(5)
     late = subprocess.Popen(["sleep", "60"], env={**os.environ, "MEGATRON_RL_RUN_ID": tag.decode()})
     assert _wait_until(lambda: late.poll() is not None, timeout_s=12), "a late process of the run outlived it"
