@@ -327,11 +327,21 @@ class TrainerConfig:
     warm_start_steps: int = 0
     """(CPU demo) supervised steps on a synthetic task's worked solutions before RL, for a model that
     starts from random weights (model.hf_path null); 0 = none."""
+    warm_start_slip: float = 0.0
+    """(CPU demo) chance per step of a worked solution that the warm-up's copy carries a slip (a column sum
+    off by one, carried into the answer; data/synthetic.py): the policy learns the method and an error rate,
+    as a pretrained model does, and RL has errors to remove. 0 = every warm-up solution is correct."""
     layer_spec: Literal["auto", "transformer_engine", "local"] = "auto"
     """auto = Transformer Engine when importable and CUDA is present, else megatron-core's local spec."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     performance: PerformanceConfig = field(default_factory=PerformanceConfig)
     seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.warm_start_steps < 0:
+            _fail("warm_start_steps", f"must be >= 0, got {self.warm_start_steps}")
+        if not 0.0 <= self.warm_start_slip < 1.0:
+            _fail("warm_start_slip", f"must be in [0, 1), got {self.warm_start_slip}")
 
 
 # --------------------------------------------------------------------------------------------------

@@ -8,6 +8,11 @@ that gives the CPU run a non-zero starting pass rate, adds the columns right to 
 
     <think>7+5=12 3+4+1=8</think>\\boxed{82}
 
+A worked solution can be written with deliberate slips (`slip`, the chance per step): a column sum off by
+one (the carry and the boxed sum follow the slip), a coefficient off by one in a program. Warmed up on such
+solutions, a policy knows the method and makes mistakes at a known rate, as a pretrained model does, and
+RL's part is to remove them: the CPU run's rise then comes from what RL does, not from learning the task.
+
 Rows are generated deterministically from a seed, so train/validation splits are reproducible.
 """
 
@@ -30,19 +35,25 @@ def arithmetic_rows(seed: int = 0, max_operand: int = 99) -> list[Row]:
     return rows
 
 
-def arithmetic_solution(prompt: str) -> str:
-    """The worked solution of an arithmetic prompt: column additions with carries, then the boxed sum."""
+def arithmetic_solution(prompt: str, slip: float = 0.0, rng: random.Random | None = None) -> str:
+    """The worked solution of an arithmetic prompt: column additions with carries, then the boxed sum. With
+    `slip` > 0 each column sum is written one too high or too low with that chance, and the carry and the
+    boxed sum follow what was written (a wrong answer reached consistently)."""
     a_text, b_text = prompt.removeprefix("What is ").removesuffix("?").split(" + ")
     a, b = int(a_text), int(b_text)
-    steps, carry = [], 0
+    steps, carry, answer = [], 0, 0
     for column in range(len(str(max(a, b)))):
         da, db = a // 10**column % 10, b // 10**column % 10
         total = da + db + carry
+        if slip and rng is not None and rng.random() < slip:
+            total = total + 1 if total == 0 or rng.random() < 0.5 else total - 1
         steps.append(f"{da}+{db}{'+1' if carry else ''}={total}")
+        answer += total % 10 * 10**column
         carry = total // 10
     if carry:
         steps.append("0+0+1=1")
-    return f"<think>{' '.join(steps)}</think>\\boxed{{{a + b}}}"
+        answer += 10 ** len(steps[:-1])
+    return f"<think>{' '.join(steps)}</think>\\boxed{{{answer}}}"
 
 
 def linear_code_rows(seed: int = 0, max_coefficient: int = 9) -> list[Row]:
@@ -69,10 +80,13 @@ def linear_code_rows(seed: int = 0, max_coefficient: int = 9) -> list[Row]:
     return rows
 
 
-def linear_code_solution(prompt: str) -> str:
-    """The reference solution of a `linear_code_rows` prompt, in the completion format."""
+def linear_code_solution(prompt: str, slip: float = 0.0, rng: random.Random | None = None) -> str:
+    """The reference solution of a `linear_code_rows` prompt, in the completion format. With `slip` > 0 the
+    constant term is written one too high with that chance."""
     words = prompt.rstrip(".").split()
     a, b = int(words[-5]), int(words[-1])  # "... returns|prints A * x|n + B"
+    if slip and rng is not None and rng.random() < slip:
+        b += 1
     if "function" in prompt:
         program = f"def f(x):\n    return {a} * x + {b}"
     else:
@@ -85,7 +99,10 @@ SYNTHETIC_TASKS: dict[str, Callable[[int], list[Row]]] = {
     "linear_code": linear_code_rows,
 }
 
-SOLUTIONS: dict[str, Callable[[str], str]] = {
+Solution = Callable[..., str]
+"""`solution(prompt, slip=0.0, rng=None) -> completion text`."""
+
+SOLUTIONS: dict[str, Solution] = {
     "arithmetic": arithmetic_solution,
     "linear_code": linear_code_solution,
 }

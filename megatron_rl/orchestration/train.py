@@ -57,7 +57,8 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
         tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight))
     names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
     out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
-    return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed)
+    slip = run.trainer.warm_start_slip
+    return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed, slip=slip)
 
 
 def _report_data(splits: Splits) -> None:

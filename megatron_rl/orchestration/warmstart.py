@@ -28,7 +28,8 @@ class WarmupTask:
     """One synthetic task's training prompts, its worked-solution function, and its share of each batch."""
 
     prompts: list[Prompt]
-    solution: Callable[[str], str]
+    solution: Callable[..., str]
+    """`solution(prompt, slip=..., rng=...)`, as in `data.synthetic.SOLUTIONS`."""
     weight: float = 1.0
 
 
@@ -40,14 +41,17 @@ def warm_start(
     batch_size: int = 32,
     lr: float = 3e-3,
     seed: int = 0,
+    slip: float = 0.0,
 ) -> Path:
     """Fine-tune the HF model in `model_dir` on worked solutions of `tasks` (mixed by weight per batch
-    row); save it to `out_dir`."""
+    row), each step of a solution written with a slip with chance `slip`; save it to `out_dir`."""
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     inputs: list[object] = [str(model_dir), len(tasks[0].prompts), steps, batch_size, lr, seed]
+    if slip:
+        inputs.append(slip)
     if len(tasks) > 1:
         inputs.append([(len(t.prompts), t.solution.__name__, t.weight) for t in tasks])
     key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
@@ -68,7 +72,7 @@ def warm_start(
             [{"role": "user", "content": prompt.prompt}], tokenize=False, add_generation_prompt=True
         )
         prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        target = task.solution(prompt.prompt) + tokenizer.eos_token
+        target = task.solution(prompt.prompt, slip=slip, rng=rng) + tokenizer.eos_token
         return prompt_ids + tokenizer(target, add_special_tokens=False)["input_ids"], len(prompt_ids)
 
     def draw() -> list[tuple[WarmupTask, Prompt]]:
