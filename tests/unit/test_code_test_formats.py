@@ -5,9 +5,11 @@ import json
 
 import pytest
 
-from megatron_rl.config import DatasetConfig
+from megatron_rl.config import DatasetConfig, RewardsConfig
 from megatron_rl.data.datasets import DatasetError, load_prompts
+from megatron_rl.rewards import code
 from megatron_rl.rewards.code import from_case_list, normalise_tests
+from megatron_rl.rewards.sandbox import RunResult
 
 
 def _functional(*cases):
@@ -62,3 +64,37 @@ def test_a_malformed_row_is_an_error_naming_file_row_field_and_case(tmp_path, te
 def test_malformed_rows_can_be_skipped_and_counted(tmp_path):
     prompts, stats = _load(tmp_path, [_functional(("1", "21")), _functional(("1", "x"))], bad_rows="skip")
     assert len(prompts) == 1 and stats.skipped == 1 and "row 1" in stats.errors[0]
+
+
+class _ReturningSandbox:
+    """Stands in for the sandbox: the harness 'returns' `values`, one result line per case, as it prints them."""
+
+    def __init__(self, values):
+        self.values = values
+
+    def run(self, program, stdin=b"", files=None):
+        stdout = "".join(json.dumps({"ok": True, "value": value}) + "\n" for value in self.values)
+        return RunResult("ok", 0, stdout.encode(), b"", 0.0, 0.0)
+
+
+@pytest.mark.parametrize(
+    ("expected", "returned", "passed"),
+    [
+        ("21", "21", True),
+        ("21", 21, False),  # a string that parses as JSON is still the string
+        (21, "21", False),
+        ("[0, 1]", [0, 1], False),
+        ("null", None, False),
+        (["21"], "21", True),  # TACO's one-element list
+        ([21], "21", False),
+        ([0, 1], [0, 1], True),
+    ],
+)
+def test_call_based_scoring_compares_the_expected_value_as_it_is(monkeypatch, expected, returned, passed):
+    # The whole host side of a call-based test (code_reward -> _run_harness -> _matches), without bubblewrap.
+    monkeypatch.setattr(code, "get_sandbox", lambda cfg: _ReturningSandbox([returned]))
+    tests = {"fn_name": "f", "inputs": [[1]], "outputs": [expected]}
+    result = code.code_reward("<think>x</think>\n```python\ndef f(x):\n    pass\n```", tests, RewardsConfig())
+    assert result.passed is passed
+    assert result.failure == (None if passed else "wrong_answer")
+    assert code._matches(returned, expected) is passed
