@@ -119,14 +119,36 @@ def test_row_budget_counts_the_interruption_phrase_and_sp_padding_at_start():
     assert load_config("scalerl", "tiny_dense").trainer.micro_batch_tokens >= 16384 + 20  # ScaleRL's row fits
 
 
-def test_gpu_kernels_follow_transformer_engine_unless_forced():
-    from megatron_rl.config import PerformanceConfig, TrainerConfig
-    from megatron_rl.trainer.model import performance_settings
+def test_gpu_kernels_follow_transformer_engine_unless_forced(monkeypatch):
+    import megatron.core.transformer
+    from megatron.core.transformer import TransformerConfig
 
-    local = performance_settings(TrainerConfig(layer_spec="local"))
-    assert set(local) == {f.name for f in dataclasses.fields(PerformanceConfig)} and not any(local.values())
+    from megatron_rl.config import PerformanceConfig, TrainerConfig
+    from megatron_rl.trainer import model
+
+    names = {f.name for f in dataclasses.fields(PerformanceConfig)}
+    local = model.performance_settings(TrainerConfig(layer_spec="local"))
+    assert set(local) == names and not any(local.values())
     forced = TrainerConfig(layer_spec="local", performance=PerformanceConfig(moe_grouped_gemm=True))
-    assert performance_settings(forced)["moe_grouped_gemm"] is True
+    assert model.performance_settings(forced)["moe_grouped_gemm"] is True
+
+    # Transformer Engine on CUDA: every setting on unless forced off, and each reaches megatron's field of its
+    # name. TransformerConfig itself refuses the fused kernels without TE, so its arguments are checked.
+    monkeypatch.setattr(model, "use_transformer_engine", lambda trainer: True)
+    gpu = model.performance_settings(TrainerConfig())
+    assert set(gpu) == names and all(v is True for v in gpu.values()), gpu
+    no_grouped = TrainerConfig(performance=PerformanceConfig(moe_grouped_gemm=False))
+    assert model.performance_settings(no_grouped) == {**gpu, "moe_grouped_gemm": False}
+
+    handed: dict = {}
+    monkeypatch.setattr(megatron.core.transformer, "TransformerConfig", lambda **kwargs: handed.update(kwargs))
+    run = load_config("scalerl-cpu", "tiny_moe")
+    model.transformer_config(run.model, run.parallel, run.trainer)
+    assert names <= {f.name for f in dataclasses.fields(TransformerConfig)}
+    assert {name: handed.get(name) for name in names} == gpu
+    run = load_config("scalerl-cpu", "tiny_moe", ["trainer.performance.apply_rope_fusion=false"])
+    model.transformer_config(run.model, run.parallel, run.trainer)
+    assert {name: handed.get(name) for name in names} == {**gpu, "apply_rope_fusion": False}
 
 
 def test_recompute_module_megatron_cannot_run_on_cpu_is_refused_at_start():
