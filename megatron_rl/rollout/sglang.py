@@ -262,13 +262,21 @@ FinishReason = Literal["stop", "length", "abort"]
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-def _parse_version(url: str, value: Any) -> int:
+def _parse_version(url: str, value: Any, field: str = "weight version") -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
         raise EngineRequestError(
-            url, f"weight version {value!r} is not an integer (start SGLang with --weight-version 0)", 200
+            url, f"{field} {value!r} is not an integer (start SGLang with --weight-version 0)", 200
         ) from None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class SGLangClient:
@@ -404,34 +412,57 @@ class SGLangClient:
         return self._segment(out)
 
     def _segment(self, out: Any) -> Segment:
-        try:
-            meta = out["meta_info"]
-            triples = meta["output_token_logprobs"]
-            tokens = [int(token) for _, token, _ in triples]
-            logprobs = [float(logprob) for logprob, _, _ in triples]
-            output_ids = out.get("output_ids")
-            finish = meta.get("finish_reason") or {}
-        except (KeyError, TypeError, ValueError) as exc:
-            raise EngineRequestError(self.url, f"/generate: malformed answer ({exc!r}): {str(out)[:500]}", 200) from exc
-        if output_ids is not None and list(output_ids) != tokens:
-            raise EngineRequestError(self.url, "/generate: output_ids and output_token_logprobs disagree", 200)
-        kind = finish.get("type")
-        if kind not in _FINISH:
-            raise EngineRequestError(self.url, f"/generate: unknown finish reason {finish!r}", 200)
-        return Segment(tokens, logprobs, self._versions(meta, len(tokens)), _FINISH[kind])
+        """SGLang's /generate answer as a Segment.
 
-    def _versions(self, meta: dict[str, Any], n: int) -> list[int]:
+        Anything else (a proxy's error page, a truncated body, a field missing or of the wrong type) is
+        EngineRequestError(200) naming the field, never a KeyError or TypeError from in here: the balancer
+        retries it on another engine and counts it, and nothing half-parsed reaches the pipeline.
+        """
+        if not isinstance(out, dict):
+            raise self._malformed(f"not a JSON object but {type(out).__name__}", out)
+        meta = out.get("meta_info")
+        if not isinstance(meta, dict):
+            raise self._malformed("no meta_info object", out)
+        triples = meta.get("output_token_logprobs")
+        if not isinstance(triples, list):
+            raise self._malformed("meta_info.output_token_logprobs is not a list", out)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        for i, triple in enumerate(triples):
+            if not (isinstance(triple, list) and len(triple) == 3 and _is_real(triple[0]) and _is_int(triple[1])):
+                raise self._malformed(
+                    f"meta_info.output_token_logprobs[{i}] = {triple!r} is not [logprob, id, text]", out
+                )
+            logprobs.append(float(triple[0]))
+            tokens.append(triple[1])
+        output_ids = out.get("output_ids")
+        if output_ids is not None and output_ids != tokens:
+            raise self._malformed("output_ids and meta_info.output_token_logprobs disagree", out)
+        finish = meta.get("finish_reason")
+        if not isinstance(finish, dict) or finish.get("type") not in _FINISH:
+            raise self._malformed(f"meta_info.finish_reason {finish!r} is not one of {sorted(_FINISH)}", out)
+        return Segment(tokens, logprobs, self._versions(meta, len(tokens), out), _FINISH[finish["type"]])
+
+    def _versions(self, meta: dict[str, Any], n: int, out: Any) -> list[int]:
         spans = meta.get("weight_versions")
         if spans is None:  # a server without per-token spans: the whole answer has its one version
-            return [_parse_version(self.url, meta.get("weight_version"))] * n
+            return [_parse_version(self.url, meta.get("weight_version"), "/generate: meta_info.weight_version")] * n
+        if not isinstance(spans, list) or not all(
+            isinstance(span, dict) and _is_int(span.get("start")) and _is_int(span.get("end")) and "version" in span
+            for span in spans
+        ):
+            raise self._malformed(f"meta_info.weight_versions {spans!r} are not {{start, end, version}} spans", out)
         versions: list[int | None] = [None] * n
-        for span in spans:
-            version = _parse_version(self.url, span["version"])
-            for i in range(span["start"], min(span["end"], n)):
-                versions[i] = version
+        for i, span in enumerate(spans):
+            version = _parse_version(self.url, span["version"], f"/generate: meta_info.weight_versions[{i}].version")
+            for t in range(max(span["start"], 0), min(span["end"], n)):
+                versions[t] = version
         if any(v is None for v in versions):
             raise EngineRequestError(self.url, f"/generate: weight_versions {spans} do not cover {n} tokens", 200)
         return [v for v in versions if v is not None]
+
+    def _malformed(self, what: str, out: Any) -> EngineRequestError:
+        return EngineRequestError(self.url, f"/generate: malformed answer: {what}: {str(out)[:500]}", 200)
 
     # --- control ------------------------------------------------------------------------------------
 

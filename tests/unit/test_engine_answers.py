@@ -1,0 +1,135 @@
+"""SGLangClient on garbled /generate answers from a real HTTP server (a local aiohttp app, no SGLang).
+
+Every answer that is not a generation is an EngineRequestError with status 200 (which the balancer retries
+on another engine) whose message names what is wrong, never a KeyError or TypeError from deep inside the
+parsing; a well-formed answer parses into tokens, log-probs, versions and the finish reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from megatron_rl.config import SamplingConfig
+from megatron_rl.rollout.interruption import Segment
+from megatron_rl.rollout.sglang import EngineBalancer, EngineRequestError, SGLangClient
+
+GOOD: dict[str, Any] = {
+    "text": "ab",
+    "output_ids": [5, 7],
+    "meta_info": {
+        "finish_reason": {"type": "stop", "matched": 7},
+        "output_token_logprobs": [[-0.5, 5, None], [-1.25, 7, None]],
+        "weight_version": "3",
+        "weight_versions": [{"start": 0, "end": 1, "version": "2"}, {"start": 1, "end": 2, "version": "3"}],
+    },
+}
+
+
+def _with(meta: dict[str, Any] | None = None, **top: Any) -> str:
+    """GOOD as JSON text, with some meta_info fields (or top-level fields) replaced; None removes one."""
+    answer = {**GOOD, "meta_info": {**GOOD["meta_info"], **(meta or {})}, **top}
+    for fields in (answer, answer.get("meta_info") or {}):
+        for key in [key for key, value in fields.items() if value is None]:
+            del fields[key]
+    return json.dumps(answer)
+
+
+async def _serve(bodies: list[tuple[str, str]]) -> tuple[web.AppRunner, str]:
+    """A server whose /generate answers 200 with the next (body, content type) in turn."""
+
+    async def generate(request: web.Request) -> web.Response:
+        await request.read()
+        body, content_type = bodies.pop(0)
+        return web.Response(status=200, body=body.encode(), headers={"Content-Type": content_type})
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+def _generate(body: str, content_type: str = "application/json") -> Segment:
+    async def main() -> Segment:
+        runner, url = await _serve([(body, content_type)])
+        client = SGLangClient(url, timeout_s=10)
+        try:
+            return await client.generate([1, 2], 4, [])
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    return asyncio.run(main())
+
+
+def test_a_well_formed_answer_parses():
+    assert _generate(json.dumps(GOOD)) == Segment([5, 7], [-0.5, -1.25], [2, 3], "stop")
+    # A server without per-token spans: every token has the answer's one version.
+    assert _generate(_with({"weight_versions": None})).versions == [3, 3]
+
+
+GARBLED = [
+    ("<html><body>502 Bad Gateway</body></html>", "text/html", "not a JSON object"),
+    ('{"text": "ab", "meta_info": {"finish_reason": {"type": "st', "application/json", "invalid JSON"),
+    ("", "application/json", "not a JSON object"),
+    ("[1, 2]", "application/json", "not a JSON object"),
+    (json.dumps({"text": "ab", "output_ids": [5, 7]}), "application/json", "no meta_info"),
+    (_with(meta_info=None), "application/json", "no meta_info"),
+    (_with({"output_token_logprobs": None}), "application/json", "output_token_logprobs"),
+    (_with({"output_token_logprobs": "ab"}), "application/json", "output_token_logprobs"),
+    (_with({"output_token_logprobs": [[-0.5, 5, None], ["x", 7, None]]}), "application/json", "[1]"),
+    (_with({"output_token_logprobs": [[-0.5, 5, None], [None, 7, None]]}), "application/json", "[1]"),
+    (_with({"output_token_logprobs": [[-0.5, 5, None], [-1.25, "7", None]]}), "application/json", "[1]"),
+    (_with({"output_token_logprobs": [[-0.5, 5, None], [-1.25, 7.5, None]]}), "application/json", "[1]"),
+    (_with({"output_token_logprobs": [[-0.5, 5, None], [-1.25]]}), "application/json", "[1]"),
+    (_with({"output_token_logprobs": [[-0.5, 5, None], 7]}), "application/json", "[1]"),
+    (_with(output_ids=[5, 8]), "application/json", "output_ids"),
+    (_with(output_ids=5), "application/json", "output_ids"),
+    (_with({"finish_reason": None}), "application/json", "finish_reason"),
+    (_with({"finish_reason": "stop"}), "application/json", "finish_reason"),
+    (_with({"finish_reason": {"type": "eos"}}), "application/json", "finish_reason"),
+    (_with({"weight_versions": [{"start": 0, "end": 1, "version": "2"}]}), "application/json", "do not cover"),
+    (_with({"weight_versions": [{"start": 0, "version": "2"}]}), "application/json", "weight_versions"),
+    (_with({"weight_versions": {"start": 0, "end": 2}}), "application/json", "weight_versions"),
+    (
+        _with({"weight_versions": [{"start": 0, "end": 2, "version": "v2"}]}),
+        "application/json",
+        "weight_versions[0].version",
+    ),
+    (_with({"weight_versions": None, "weight_version": None}), "application/json", "meta_info.weight_version"),
+]
+
+
+@pytest.mark.parametrize(("body", "content_type", "named"), GARBLED)
+def test_a_garbled_answer_is_a_request_error_naming_what_is_wrong(body, content_type, named):
+    with pytest.raises(EngineRequestError) as error:
+        _generate(body, content_type)
+    assert error.value.status == 200
+    assert "/generate" in str(error.value) and named in str(error.value)
+
+
+def test_the_balancer_retries_a_garbled_answer_on_another_engine():
+    async def main() -> tuple[Segment, EngineBalancer]:
+        garbled, garbled_url = await _serve([(_with({"finish_reason": None}), "application/json")])
+        good, good_url = await _serve([(json.dumps(GOOD), "application/json")])
+        clients = [SGLangClient(garbled_url, timeout_s=10), SGLangClient(good_url, timeout_s=10)]
+        balancer = EngineBalancer(clients, SamplingConfig(), max_retries=1)
+        try:
+            return await balancer([1, 2], 4, []), balancer
+        finally:
+            for client in clients:
+                await client.close()
+            await garbled.cleanup()
+            await good.cleanup()
+
+    segment, balancer = asyncio.run(main())
+    assert segment.tokens == [5, 7]
+    assert (balancer.failures, balancer.retries, balancer.failures_by_engine) == (1, 1, [1, 0])
