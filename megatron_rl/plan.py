@@ -32,8 +32,11 @@ routing lets a rank receive more than its share.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from megatron_rl.config import ConfigError, ModelConfig, RunConfig, apply_overrides, build, to_dict
@@ -177,16 +180,22 @@ class StageParameters:
 
 
 def stage_parameters(run: RunConfig, stage: int) -> StageParameters:
-    """Exact parameter counts of pipeline stage `stage`'s first rank: megatron builds it on the meta device."""
+    """Exact parameter counts of pipeline stage `stage`'s first rank: megatron builds it on the meta device.
+
+    The same on a host with CUDA (the Slurm bootstrap plans on a GPU node): the model is built in
+    `build_model`'s meta mode and megatron-core's CUDA calls are redirected to the CPU, so planning allocates
+    nothing on a GPU and creates no CUDA context. A layout megatron-core refuses is a ConfigError naming the
+    field.
+    """
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_rl.trainer import cpu_compat, quiet_megatron
+    from megatron_rl.trainer import quiet_megatron
     from megatron_rl.trainer.model import build_model, output_weight
 
-    cpu_compat.apply()  # megatron's CUDA-only constructors (MoE dispatcher streams) on a machine without CUDA
+    _megatron_on_cpu()
     quiet_megatron()
     p = run.parallel
     if dist.is_initialized():
@@ -194,17 +203,19 @@ def stage_parameters(run: RunConfig, stage: int) -> StageParameters:
     first_rank = stage * (p.trainer_devices // p.pp)  # megatron's order tp-cp-ep-dp-pp: pp outermost
     dist.init_process_group("fake", store=FakeStore(), rank=first_rank, world_size=p.trainer_devices)
     try:
-        ps.initialize_model_parallel(
-            tensor_model_parallel_size=p.tp,
-            pipeline_model_parallel_size=p.pp,
-            expert_model_parallel_size=p.ep,
-            expert_tensor_parallel_size=p.expert_tp(run.model.is_moe),
-            create_gloo_process_groups=False,
-        )
-        with torch.device("meta"):
-            model = build_model(run.model, p, run.trainer, initialize=False)
+        with _megatron_refusal_as_config_error():
+            ps.initialize_model_parallel(
+                tensor_model_parallel_size=p.tp,
+                pipeline_model_parallel_size=p.pp,
+                expert_model_parallel_size=p.ep,
+                expert_tensor_parallel_size=p.expert_tp(run.model.is_moe),
+                create_gloo_process_groups=False,
+            )
+            with torch.device("meta"):
+                model = build_model(run.model, p, run.trainer, initialize=False, meta=True)
         dense = expert = fp32 = 0
         for param in model.parameters():
+            assert param.device.type == "meta", f"plan: parameter on {param.device}, not the meta device"
             if getattr(param, "allreduce", True):
                 dense += param.numel()
             else:
@@ -218,6 +229,65 @@ def stage_parameters(run: RunConfig, stage: int) -> StageParameters:
         destroy_moe_metrics_tracker()
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+def _megatron_on_cpu() -> None:
+    """megatron-core's CUDA-only constructor calls (MoE dispatcher streams, router buffers) on the CPU, on a
+    host with CUDA too. `cpu_compat.apply()` does nothing where CUDA is present, because a training process
+    there must reach the GPU; a planning process must not: the plan runs before launch on the node that then
+    hosts trainer ranks, and a CUDA context or stray allocation would take memory the plan counts as free.
+    Only megatron-core's modules in this process are affected."""
+    from unittest import mock
+
+    import torch
+
+    from megatron_rl.trainer import cpu_compat
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=False):
+        cpu_compat.apply()
+
+
+MEGATRON_FIELDS = (
+    ("recompute_modules", "trainer.recompute.modules"),
+    ("recompute_num_layers", "trainer.recompute.num_layers"),
+    ("recompute_method", "trainer.recompute.method"),
+    ("recompute", "trainer.recompute.granularity"),
+    ("moe_grouped_gemm", "trainer.performance.moe_grouped_gemm"),
+    ("expert_tensor_parallel", "parallel.etp"),
+    ("expert_model_parallel", "parallel.ep"),
+    ("tensor_model_parallel", "parallel.tp"),
+    ("pipeline_model_parallel", "parallel.pp"),
+    ("sequence_parallel", "parallel.sequence_parallel"),
+    ("num_query_groups", "model.num_query_groups"),
+    ("num_attention_heads", "model.num_attention_heads"),
+    ("moe", "model.moe"),
+)
+"""megatron-core's TransformerConfig / parallel_state names in its error messages -> the field to change."""
+
+
+@contextlib.contextmanager
+def _megatron_refusal_as_config_error() -> Iterator[None]:
+    """A configuration megatron-core refuses (its ValueError, or an assert in megatron-core's own code) becomes
+    a ConfigError that names our field, so that `megatron-rl plan` exits 2 with one line, not a traceback."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except (ValueError, AssertionError) as exc:
+        if isinstance(exc, AssertionError) and not _raised_in_megatron(exc):
+            raise  # an invariant of our own code: a bug, not a configuration
+        message = str(exc) or type(exc).__name__
+        if message.startswith(("model.", "parallel.", "trainer.")):  # our own check in the build path
+            raise ConfigError(message) from None
+        name = next((ours for theirs, ours in MEGATRON_FIELDS if theirs in message), "parallel/model/trainer")
+        raise ConfigError(f"{name}: megatron-core refuses this configuration: {message}") from None
+
+
+def _raised_in_megatron(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and f"{os.sep}megatron{os.sep}core{os.sep}" in tb.tb_frame.f_code.co_filename
 
 
 # --------------------------------------------------------------------------------------------------

@@ -46,10 +46,26 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
     return available
 
 
-def performance_settings(trainer: TrainerConfig) -> dict[str, bool]:
-    """`trainer.performance`, each null resolved: on with Transformer Engine on CUDA, off otherwise."""
-    te = use_transformer_engine(trainer)
+def performance_settings(trainer: TrainerConfig, te: bool | None = None) -> dict[str, bool]:
+    """`trainer.performance`, each null resolved: on with Transformer Engine on CUDA, off otherwise
+    (`te` overrides what this host offers, for the memory plan)."""
+    te = use_transformer_engine(trainer) if te is None else te
     return {name: te if value is None else value for name, value in dataclasses.asdict(trainer.performance).items()}
+
+
+def cluster_transformer_engine(trainer: TrainerConfig) -> bool:
+    """Whether a GPU node of the cluster builds with Transformer Engine (`trainer.layer_spec`), whatever this
+    host has: the memory plan runs before launch, on a login node or a GPU node alike. The GPU image
+    installs Transformer Engine, so `auto` means it."""
+    return trainer.layer_spec != "local"
+
+
+def meta_performance_settings(trainer: TrainerConfig) -> dict[str, bool]:
+    """The kernel switches of a meta-device build for the memory plan: grouped GEMM as the cluster resolves it
+    (megatron-core validates recompute against it), every fusion off. The fusions change no parameter, and
+    megatron-core refuses them where their kernels (Transformer Engine, Apex) are not installed."""
+    perf = performance_settings(trainer, cluster_transformer_engine(trainer))
+    return {name: value if name == "moe_grouped_gemm" else False for name, value in perf.items()}
 
 
 def recompute_settings(recompute: RecomputeConfig, te: bool) -> dict[str, Any]:
@@ -69,12 +85,16 @@ def recompute_settings(recompute: RecomputeConfig, te: bool) -> dict[str, Any]:
     )
 
 
-def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig) -> Any:
+def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig, meta: bool = False) -> Any:
+    """megatron-core's TransformerConfig for this run; `meta`: for a meta-device build (see `build_model`)."""
     from megatron.core.transformer import TransformerConfig
 
     dtype = DTYPES[trainer.params_dtype]
-    cuda = torch.cuda.is_available()
-    perf = performance_settings(trainer)
+    # CPU initialisation creates parameters on the ambient device (the meta device for the plan); without it
+    # megatron-core allocates each one on torch.cuda.current_device().
+    cpu_init = meta or not torch.cuda.is_available()
+    te = cluster_transformer_engine(trainer) if meta else use_transformer_engine(trainer)
+    perf = meta_performance_settings(trainer) if meta else performance_settings(trainer)
     dispatcher = model.moe.token_dispatcher
     moe: dict[str, Any] = {}
     if model.is_moe:
@@ -125,7 +145,7 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
         sequence_parallel=parallel.sequence_parallel,
         variable_seq_lengths=True,
         calculate_per_token_loss=True,
-        use_cpu_initialization=not cuda,
+        use_cpu_initialization=cpu_init,
         gradient_accumulation_fusion=perf["gradient_accumulation_fusion"],
         bias_activation_fusion=perf["bias_activation_fusion"],
         bias_dropout_fusion=perf["bias_dropout_fusion"],
@@ -134,15 +154,20 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
         persist_layer_norm=False,
         deallocate_pipeline_outputs=False,
         moe_token_dispatcher_type=dispatcher,
-        **recompute_settings(trainer.recompute, use_transformer_engine(trainer)),
+        **recompute_settings(trainer.recompute, te),
         **moe,
     )
 
 
-def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig, initialize: bool = True) -> Any:
+def build_model(
+    model: ModelConfig, parallel: ParallelConfig, trainer: TrainerConfig, initialize: bool = True, meta: bool = False
+) -> Any:
     """This rank's GPTModel chunk (not wrapped in DDP), on the current device, FP32 head applied.
 
     `initialize=False` leaves the weights uninitialised (for an import that overwrites every one of them).
+    `meta=True` builds for the memory plan, on a host with or without CUDA: parameters on the ambient device
+    (call it under `torch.device("meta")`), never moved to CUDA, and megatron-core's validation run with the
+    cluster's settings (`cluster_transformer_engine`) rather than this host's.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -150,9 +175,13 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
 
     from megatron_rl.trainer import cpu_compat
 
-    config = transformer_config(model, parallel, trainer)
+    config = transformer_config(model, parallel, trainer, meta=meta)
     config.perform_initialization = initialize
-    te = use_transformer_engine(trainer)
+    # The plan builds the local spec even where the cluster runs Transformer Engine's: TE's modules allocate
+    # on an explicit device (CPU or CUDA, never the meta device) and need TE installed. Parameter counts are
+    # identical: TE fuses each norm's weight into the following linear layer (same elements), and its grouped
+    # experts hold the same per-expert fc1/fc2 weights as megatron's SequentialMLP.
+    te = False if meta else use_transformer_engine(trainer)
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", qk_l2_norm=model.qk_l2_norm
     )
@@ -178,7 +207,7 @@ def build_model(model: ModelConfig, parallel: ParallelConfig, trainer: TrainerCo
         for layer in gpt.decoder.layers:  # HF Llama-4 L2-normalises q/k on RoPE layers only; megatron on all
             if config.no_rope_freq[layer.layer_number - 1]:
                 layer.self_attention.q_layernorm = layer.self_attention.k_layernorm = None
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not meta:
         gpt.cuda(torch.cuda.current_device())
     dtype = DTYPES[trainer.params_dtype]
     for param in gpt.parameters():  # megatron's torch norms are created fp32; buffers (RoPE) stay fp32

@@ -89,3 +89,29 @@ def test_llama3_8b_shard_matches_megatron_lm_theoretical_weights_and_optimizer()
     head_extra = 2.0 * vocab * h / tp  # the fp32 LM head: 4 B instead of 2
     expected = (shard * (6 + 12 / dp) + head_extra) / 2**30
     assert weights + grads + optim == pytest.approx(expected, rel=2e-2)
+
+
+def test_the_plan_builds_on_the_meta_device_on_a_host_with_cuda(monkeypatch):
+    """The Slurm bootstrap plans on a GPU node. There too the model is built on the meta device under the fake
+    process group, nothing is moved to or allocated on a GPU, and the counts are the ones of a CPU host."""
+    import torch
+
+    from megatron_rl.config import load_config
+    from megatron_rl.plan import make_plan
+
+    run = load_config("scalerl", "qwen3_30b_a3b", [])
+    on_cpu = make_plan(run, suggest=False)
+
+    def touched_cuda(*args, **kwargs):
+        raise AssertionError("the memory plan touched CUDA")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.cuda, "is_available", lambda: True)
+        m.setattr(torch.nn.Module, "cuda", touched_cuda)
+        m.setattr(torch.cuda, "_lazy_init", touched_cuda)  # every CUDA allocation, stream or context
+        m.setattr(torch.cuda, "current_device", touched_cuda)
+        with_cuda = make_plan(run, suggest=False)
+    assert [(r.dense_params, r.expert_params) for r in with_cuda.ranks] == [
+        (r.dense_params, r.expert_params) for r in on_cpu.ranks
+    ]
+    assert with_cuda.fits and with_cuda.ranks[0].total == on_cpu.ranks[0].total
