@@ -249,8 +249,8 @@ class RecomputeConfig:
     num_layers: int = 1
     """full only: layers per checkpointed group (uniform) or checkpointed layers per stage (block)."""
     modules: list[str] = field(default_factory=lambda: ["core_attn"])
-    """selective only: any of core_attn, mlp, layernorm, moe, shared_experts, moe_act (moe_act needs
-    grouped GEMM)."""
+    """selective only: any of core_attn, mlp, layernorm, moe, shared_experts, moe_act (moe_act needs an MoE
+    model with grouped GEMM, `trainer.performance.moe_grouped_gemm`: megatron-core refuses it otherwise)."""
 
     def __post_init__(self) -> None:
         if self.num_layers < 1:
@@ -731,7 +731,31 @@ class RunConfig:
                 _fail("parallel.etp", f"must divide the expert ffn hidden size {expert_ffn}, got {etp}")
             if p.tp > 1 and not p.sequence_parallel:
                 _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
+        self.check_recompute()
         self.check_row_budget(phrase_tokens=0)
+
+    def check_recompute(self) -> None:
+        """megatron-core 0.19.2's rule (TransformerConfig.__post_init__): selective recompute of `moe_act` only
+        with `moe_grouped_gemm`, which is off for a dense model and, when `trainer.performance.moe_grouped_gemm`
+        is null, on only where the trainer runs Transformer Engine (a GPU run whose layer_spec is not local)."""
+        rc, t = self.trainer.recompute, self.trainer
+        if rc.granularity != "selective" or "moe_act" not in rc.modules:
+            return
+        setting = t.performance.moe_grouped_gemm
+        if not self.model.is_moe:
+            why = f"model {self.model.name} is dense (grouped GEMM is an MoE setting, off without experts)"
+        elif setting is False:
+            why = "trainer.performance.moe_grouped_gemm=false"
+        elif setting is None and (t.layer_spec == "local" or self.compute.device_kind != "gpu"):
+            where = "trainer.layer_spec=local" if t.layer_spec == "local" else "a CPU run (compute.device_kind)"
+            why = f"trainer.performance.moe_grouped_gemm=null resolves to off with {where}"
+        else:
+            return
+        _fail(
+            "trainer.recompute.modules",
+            f"{rc.modules} has 'moe_act', which megatron-core recomputes only with grouped GEMM experts "
+            f"(moe_grouped_gemm); {why}. Drop moe_act or recompute 'moe' instead",
+        )
 
     def check_row_budget(self, phrase_tokens: int) -> None:
         """The longest sequence a rollout can make, padded for sequence parallel, must fit one micro-batch row:

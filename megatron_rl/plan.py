@@ -253,6 +253,7 @@ MEGATRON_FIELDS = (
     ("recompute_method", "trainer.recompute.method"),
     ("recompute", "trainer.recompute.granularity"),
     ("moe_grouped_gemm", "trainer.performance.moe_grouped_gemm"),
+    ("dispatcher", "model.moe.token_dispatcher"),
     ("expert_tensor_parallel", "parallel.etp"),
     ("expert_model_parallel", "parallel.ep"),
     ("tensor_model_parallel", "parallel.tp"),

@@ -74,6 +74,20 @@ def test_a_bad_allocation_or_a_device_nothing_fits_is_refused_before_anything_st
     assert tiny.returncode == 2 and "> 8.0 GiB" in tiny.stdout
 
 
+def test_a_setting_megatron_refuses_while_building_is_a_config_error_naming_the_field():
+    # megatron-core's TransformerConfig: the allgather dispatcher refuses variable sequence lengths (packed rows).
+    result = _plan("--model", "qwen3_30b_a3b", "model.moe.token_dispatcher=allgather")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "config error: model.moe.token_dispatcher: megatron-core refuses this configuration" in result.stderr
+    assert "allgather does not support variable sequence length" in result.stderr
+    assert "Traceback" not in result.stderr
+    # The same rule for moe_act recompute is megatron-core's, applied at config time (tests/unit/test_config.py).
+    moe_act = _plan("--model", "qwen3_30b_a3b", "trainer.layer_spec=local", "trainer.recompute.granularity=selective",
+                    "trainer.recompute.modules=[moe_act]")  # fmt: skip
+    assert moe_act.returncode == 2 and "config error: trainer.recompute.modules:" in moe_act.stderr
+    assert "Traceback" not in moe_act.stderr
+
+
 def test_llama3_8b_shard_matches_megatron_lm_theoretical_weights_and_optimizer():
     """Megatron-LM's theoretical memory accounting: the most loaded TP shard holds (layers + 2 V h) / tp
     parameters (GQA and SwiGLU in its layer formula) and needs 6 + 12 / dp bytes each with the distributed

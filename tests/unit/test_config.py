@@ -164,6 +164,38 @@ def test_recompute_module_megatron_cannot_run_on_cpu_is_refused_at_start():
     assert recompute_settings(RecomputeConfig(), te=False) == dict(recompute_granularity=None)
 
 
+@pytest.mark.parametrize("recipe", ["scalerl", "scalerl-cpu"])
+@pytest.mark.parametrize("model_name", ["tiny_moe", "tiny_dense"])
+@pytest.mark.parametrize("layer_spec", ["auto", "local"])
+@pytest.mark.parametrize("grouped", [None, True, False])
+def test_moe_act_recompute_refused_at_config_exactly_when_megatron_refuses(recipe, model_name, layer_spec, grouped):
+    """megatron-core 0.19.2 refuses selective recompute of moe_act without grouped GEMM. The config check says
+    so (naming the field) for the same settings megatron's TransformerConfig refuses: on a GPU run as the
+    cluster resolves them (the plan's meta build), on a CPU run as this CPU host does."""
+    from megatron_rl.config import RecomputeConfig, TrainerConfig
+    from megatron_rl.trainer import model
+
+    selective = RecomputeConfig(granularity="selective", modules=["core_attn", "moe_act"])
+    trainer = TrainerConfig(layer_spec=layer_spec, recompute=selective)
+    trainer.performance.moe_grouped_gemm = grouped
+    plain = load_config(recipe, model_name)
+    cfg, parallel = plain.model, plain.parallel
+    try:
+        model.transformer_config(cfg, parallel, trainer, meta=recipe == "scalerl")
+        megatron_refuses = False
+    except ValueError as exc:
+        assert "moe_act in recompute_modules is only supported with moe_grouped_gemm" in str(exc)
+        megatron_refuses = True
+    overrides = ["trainer.recompute={granularity: selective, modules: [core_attn, moe_act]}"]
+    grouped_text = "null" if grouped is None else str(grouped).lower()
+    overrides += [f"trainer.layer_spec={layer_spec}", f"trainer.performance.moe_grouped_gemm={grouped_text}"]
+    if megatron_refuses:
+        with pytest.raises(ConfigError, match=r"trainer.recompute.modules: \['core_attn', 'moe_act'\] has 'moe_act'"):
+            load_config(recipe, model_name, overrides)
+    else:
+        assert load_config(recipe, model_name, overrides).trainer.recompute.modules == ["core_attn", "moe_act"]
+
+
 def test_model_layout_sets_the_split_unless_overridden():
     c = load_config("scalerl", "llama4_scout_17bx16e")
     assert (c.parallel.tp, c.parallel.ep, c.parallel.sequence_parallel, c.parallel.trainer_devices) == (4, 16, True, 64)
