@@ -11,10 +11,11 @@ plus a head without GPUs like a driver node.
   could start next to other jobs (the GCS timed out), so that layout is placed at full size part by part on
   the 10 nodes: the trainer alone (8 nodes), then the engines alone (8 nodes).
 
-Bare `Placed` actors stand in for trainer ranks and engines (the base class of `TrainerWorker` and
-`EngineHost`): they go through the same functions as `TrainerGroup` and `EngineGroup` (`trainer_placement`,
-`engine_placement`, `spawn`, `rank_order`, `Placed.location` / `Placed.rendezvous`) and only say where they
-run.
+The trainer is a real `TrainerGroup` whose ranks are `TrainerWorker`s with a `setup` that records the rank and
+the rendezvous address it is given instead of starting megatron. Bare `Placed` actors stand in for engines
+(the base class of `EngineHost`): they go through the same functions as `EngineGroup` (`engine_placement`,
+`spawn`, `Placed.location`) and only say where they run. All simulated nodes share this machine's IP, so the
+rendezvous is checked by the Ray node of the actor that handed out the address, not by the address.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from typing import Any
 import pytest
 
 from megatron_rl.config import RunConfig, load_config
+from megatron_rl.orchestration import actors
 from megatron_rl.orchestration.placement import (
     Location,
     Placed,
     check_cluster,
     engine_placement,
     locations,
-    rank_order,
     spawn,
     trainer_placement,
 )
@@ -69,13 +70,57 @@ def cluster():
         sim.shutdown()
 
 
-def _release(actors: list[Any], *placements: Any) -> None:
+def _release(handles: list[Any], *placements: Any) -> None:
     import ray
 
-    for actor in actors:
+    for actor in handles:
         ray.kill(actor)
     for placement in placements:
         placement.remove()
+
+
+def _trainer_group(run: RunConfig, monkeypatch: pytest.MonkeyPatch) -> actors.TrainerGroup:
+    """`TrainerGroup` as the driver builds it, its ranks recording what `setup` gives them (no megatron)."""
+
+    class Rank(actors.TrainerWorker):
+        def __init__(self) -> None:
+            self.handed_out: list[tuple[str, int]] = []
+
+        def rendezvous(self) -> tuple[str, int]:
+            self.handed_out.append(super().rendezvous())
+            return self.handed_out[-1]
+
+        def setup(self, run: dict[str, Any], rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+            self.rank, self.joined = rank, (world_size, master_addr, master_port)
+
+        def report(self) -> dict[str, Any]:
+            import ray
+
+            node = ray.get_runtime_context().get_node_id()
+            return {"node": node, "rank": self.rank, "joined": self.joined, "handed_out": self.handed_out}
+
+    monkeypatch.setattr(actors, "TrainerWorker", Rank)
+    return actors.TrainerGroup(run, {})
+
+
+def _check_rendezvous(group: actors.TrainerGroup) -> None:
+    """The trainer's process group and the weight-sync group meet where rank 0 runs: the node of the first
+    bundle of the trainer's first placement group (rank 0's bundle), at an address that node's actor handed out."""
+    import asyncio
+
+    import ray
+    from ray.util.placement_group import placement_group_table
+
+    sync = asyncio.run(group.rendezvous())
+    reports = ray.get([w.report.remote() for w in group.workers])
+    rank0_node = placement_group_table(group.placement.groups[0])["bundles_to_node_id"][0]
+    assert [r["rank"] for r in reports] == list(range(len(group.workers)))
+    assert reports[0]["node"] == group.locations[0].node_id == rank0_node
+    world, addr, port = reports[0]["joined"]
+    assert all(r["joined"] == (world, addr, port) for r in reports) and world == len(reports) and port > 0
+    for address in ((addr, port), sync):
+        givers = [(r["rank"], r["node"]) for r in reports if address in r["handed_out"]]
+        assert givers == [(0, rank0_node)], (address, givers)
 
 
 def _check_trainer(run: RunConfig, where: list[Location]) -> None:
@@ -107,40 +152,34 @@ def _gpus(where: list[Location]) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("model", LAYOUTS)
-def test_layout_at_the_paper_split_is_placed_by_node(cluster, model):
-    import ray
-
+def test_layout_at_the_paper_split_is_placed_by_node(cluster, model, monkeypatch):
     run = _paper_split(model)
     assert run.compute.device_kind == "gpu" and run.rollout.engine.device == "cuda"
-    trainer = trainer_placement(run)
-    ranks, where = rank_order(spawn(Placed, trainer))
+    trainer = _trainer_group(run, monkeypatch)
     engines = engine_placement(run)
     hosts = spawn(Placed, engines)
     try:
-        addr, port = ray.get(ranks[0].rendezvous.remote())
+        where = trainer.locations
         engine_where = locations(hosts)
         _check_trainer(run, where)
         _check_engines(run, engine_where)
         used = _gpus(where + engine_where)  # no GPU handed out twice; the run fills the cluster
         assert len(used) == len(set(used)) == TRAINER_GPUS + GENERATOR_GPUS == cluster * GPUS_PER_NODE
-        # The trainer's process group (and the weight-sync group) meet at rank 0's node.
-        assert addr == where[0].node_ip and port > 0
+        _check_rendezvous(trainer)
     finally:
-        _release(ranks + hosts, trainer, engines)
+        trainer.shutdown()
+        _release(hosts, engines)
 
 
-def test_scout_shipped_layout_part_by_part(cluster):
-    import ray
-
+def test_scout_shipped_layout_part_by_part(cluster, monkeypatch):
     run = load_config("scalerl", "llama4_scout_17bx16e", ["rollout.engine.device=cpu"])  # the trainer alone
-    trainer = trainer_placement(run)
-    ranks, where = rank_order(spawn(Placed, trainer))
+    trainer = _trainer_group(run, monkeypatch)
     try:
-        _check_trainer(run, where)
-        assert len(set(_gpus(where))) == run.parallel.trainer_devices
-        assert ray.get(ranks[0].rendezvous.remote())[0] == where[0].node_ip
+        _check_trainer(run, trainer.locations)
+        assert len(set(_gpus(trainer.locations))) == run.parallel.trainer_devices
+        _check_rendezvous(trainer)
     finally:
-        _release(ranks, trainer)
+        trainer.shutdown()
 
     run = load_config("scalerl", "llama4_scout_17bx16e", ["compute.device_kind=cpu_core"])  # the engines alone
     engines = engine_placement(run)
