@@ -71,16 +71,29 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def check_allocation(config: Any, allocation: str) -> None:
-    """Fail before anything starts when the recipe's GPU split does not fit `NODESxGPUS_PER_NODE`."""
+    """Fail before anything starts when the recipe's GPU split does not fit `NODESxGPUS_PER_NODE`, or when the
+    allocation holds whole nodes the run leaves idle (a Slurm job should not reserve GPUs nobody uses).
+
+    Nodes are counted as Ray places the run (orchestration/placement.py): the trainer's ranks fill nodes in
+    rank order, each engine sits inside one node, engines may use what the trainer's last node leaves."""
     try:
         nodes, per_node = (int(x) for x in allocation.lower().split("x"))
     except ValueError:
         raise ConfigError(f"--allocation: expected NODESxGPUS_PER_NODE (e.g. 10x8), got {allocation!r}") from None
+    if nodes < 1:
+        raise ConfigError(f"--allocation {allocation}: {nodes} nodes; an allocation has at least 1 node")
     engine, parallel = config.rollout.engine, config.parallel
     if engine.device == "cpu" and config.compute.device_kind == "cpu_core":
         print(f"allocation: {nodes} node(s); CPU run (trainer ranks and engines on cores)")
         return
-    trainer, generators = parallel.trainer_devices, engine.num_engines * engine.tp
+    if per_node < 1:
+        raise ConfigError(
+            f"--allocation {allocation}: {per_node} GPUs per node; this GPU run needs at least 1 (Slurm: "
+            "sbatch --gpus-per-node=N sets SLURM_GPUS_ON_NODE; slurm/bootstrap.sh also reads GPUS_PER_NODE)"
+        )
+    trainer = parallel.trainer_devices if config.compute.device_kind == "gpu" else 0
+    engines = engine.num_engines if engine.device == "cuda" else 0
+    generators = engines * engine.tp
     total = nodes * per_node
     problems = []
     if trainer + generators > total:
@@ -88,23 +101,35 @@ def check_allocation(config: Any, allocation: str) -> None:
             f"needs {trainer} trainer + {generators} generator GPUs = {trainer + generators}, "
             f"allocation has {nodes} x {per_node} = {total}"
         )
-    if engine.tp > per_node or per_node % engine.tp:
-        problems.append(f"rollout.engine.tp={engine.tp} must divide the {per_node} GPUs of a node")
-    if parallel.tp > per_node:
-        problems.append(f"parallel.tp={parallel.tp} exceeds the {per_node} GPUs of one node (a TP group in one node)")
+    if engines and per_node % engine.tp:
+        problems.append(
+            f"rollout.engine.tp={engine.tp} must divide the {per_node} GPUs of a node (an engine in one node)"
+        )
+    if trainer and per_node % parallel.tp:
+        problems.append(f"parallel.tp={parallel.tp} must divide the {per_node} GPUs of a node (a TP group in one node)")
     if trainer > per_node and trainer % per_node:
         problems.append(f"parallel.trainer_devices={trainer} must fill whole nodes of {per_node} GPUs")
-    nodes_needed = -(-trainer // per_node) + -(-generators // per_node)
-    if nodes_needed > nodes:
-        problems.append(
-            f"the trainer's {-(-trainer // per_node)} node(s) and the engines' {-(-generators // per_node)} need "
-            f"{nodes_needed} nodes, the allocation has {nodes}"
-        )
     if problems:
         raise ConfigError("allocation: " + "; ".join(problems))
+    trainer_nodes = -(-trainer // per_node)
+    in_trainer_nodes = min(engines, (trainer_nodes * per_node - trainer) // engine.tp)
+    engine_nodes = -(-(engines - in_trainer_nodes) // (per_node // engine.tp))
+    needed = trainer_nodes + engine_nodes
+    if needed > nodes:
+        raise ConfigError(
+            f"allocation: the trainer's {trainer_nodes} node(s) and the engines' {engine_nodes} need {needed} nodes "
+            f"of {per_node} GPUs, the allocation has {nodes}"
+        )
+    if needed < nodes:
+        raise ConfigError(
+            f"allocation: {nodes} x {per_node} = {total} GPUs is larger than the run needs: {trainer} trainer + "
+            f"{generators} generator GPUs fit {needed} node(s) of {per_node}, so {nodes - needed} node(s) "
+            f"({(nodes - needed) * per_node} GPUs) would sit idle; allocate {needed} node(s) or give the run "
+            "the GPUs (parallel.trainer_devices, rollout.engine.num_engines)"
+        )
     print(
         f"allocation: {nodes} x {per_node} GPUs = {total}: {trainer} train (TP {parallel.tp} x PP {parallel.pp} "
-        f"x DP {parallel.dp}, EP {parallel.ep}) + {generators} generate ({engine.num_engines} x TP {engine.tp}), "
+        f"x DP {parallel.dp}, EP {parallel.ep}) + {generators} generate ({engines} x TP {engine.tp}), "
         f"{total - trainer - generators} idle"
     )
 

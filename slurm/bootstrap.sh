@@ -39,7 +39,14 @@ overrides=($OVERRIDES "name=$RUN_NAME" "output_dir=$OUTPUT_DIR")
 nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}")
 num_nodes=$(echo "$nodes" | wc -l)
 head_node=$(echo "$nodes" | head -n 1)
-gpus_per_node=${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-0}}
+gpus_per_node=${SLURM_GPUS_ON_NODE:-${GPUS_PER_NODE:-}}
+if [ -z "$gpus_per_node" ]; then
+  # Nothing says how many GPUs a node has: a CPU recipe still runs (test_slurm.py's job), and the allocation
+  # check below refuses a GPU run at once ("0 GPUs per node"), before any Ray process starts.
+  echo "[bootstrap] no GPUs in this allocation: neither SLURM_GPUS_ON_NODE (set by sbatch --gpus-per-node=N)" \
+    "nor GPUS_PER_NODE is set; only a CPU recipe can run" >&2
+  gpus_per_node=0
+fi
 cpus_per_node=${SLURM_CPUS_ON_NODE:-$(getconf _NPROCESSORS_ONLN)}
 
 echo "[bootstrap] job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): $num_nodes node(s), $gpus_per_node GPU(s) each; run $RUN_NAME"

@@ -1,0 +1,82 @@
+"""`check --allocation` / `plan --allocation`: the recipe's GPU split against NODESxGPUS_PER_NODE, before anything
+starts (slurm/bootstrap.sh runs it with the Slurm allocation)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.cli import check_allocation
+from megatron_rl.config import ConfigError, load_config
+
+ROOT = Path(__file__).parents[2]
+
+
+@pytest.mark.parametrize(
+    ("allocation", "message"),
+    [
+        ("10x0", "--allocation 10x0: 0 GPUs per node; this GPU run needs at least 1"),
+        ("0x8", "--allocation 0x8: 0 nodes; an allocation has at least 1 node"),
+        ("-1x8", "--allocation -1x8: -1 nodes"),
+        ("9x8", "needs 16 trainer + 64 generator GPUs = 80, allocation has 9 x 8 = 72"),
+        ("16x5", "parallel.tp=2 must divide the 5 GPUs of a node (a TP group in one node)"),
+        ("ten", "--allocation: expected NODESxGPUS_PER_NODE"),
+    ],
+)
+def test_an_allocation_the_run_cannot_use_is_refused_naming_the_number(allocation, message):
+    with pytest.raises(ConfigError) as info:
+        check_allocation(load_config("scalerl", "llama3_8b"), allocation)
+    assert message in str(info.value)
+
+
+def test_an_engine_tp_that_does_not_divide_a_node_is_refused():
+    with pytest.raises(ConfigError, match=r"rollout.engine.tp=8 must divide the 4 GPUs of a node"):
+        check_allocation(load_config("scalerl", "llama4_scout_17bx16e"), "32x4")
+
+
+def test_an_allocation_larger_than_the_run_is_refused_with_the_numbers():
+    with pytest.raises(ConfigError) as info:
+        check_allocation(load_config("scalerl", "llama3_8b"), "11x8")
+    assert (
+        "11 x 8 = 88 GPUs is larger than the run needs: 16 trainer + 64 generator GPUs fit 10 node(s) of 8, "
+        "so 1 node(s) (8 GPUs) would sit idle"
+    ) in str(info.value)
+
+
+def test_the_slurm_scripts_allocations_and_a_cpu_run_without_gpus_pass(capsys):
+    check_allocation(load_config("scalerl", "llama3_8b"), "10x8")
+    check_allocation(load_config("scalerl", "llama3_8b"), "20x4")  # same GPUs on smaller nodes
+    check_allocation(load_config("scalerl", "llama4_scout_17bx16e"), "16x8")
+    check_allocation(load_config("scalerl-cpu", "cpu_demo"), "1x0")  # test_slurm.py's CPU job: no GPUs at all
+    out = capsys.readouterr().out
+    assert "80: 16 train" in out and "128: 64 train" in out and "CPU run" in out
+
+
+def test_engines_may_share_the_trainers_last_node():
+    # 4 trainer GPUs + 2 engines of TP 2 fill one node of 8, as the Ray placement packs them.
+    run = load_config("scalerl", "qwen3_4b", ["parallel.trainer_devices=4", "rollout.engine.tp=2",
+                                              "rollout.engine.num_engines=2"])  # fmt: skip
+    check_allocation(run, "1x8")
+    with pytest.raises(ConfigError, match=r"fit 1 node\(s\) of 8, so 1 node\(s\) \(8 GPUs\) would sit idle"):
+        check_allocation(run, "2x8")
+
+
+def test_bootstrap_without_a_gpu_count_refuses_a_gpu_run_before_ray_starts(tmp_path):
+    """slurm/bootstrap.sh outside a GPU allocation (no SLURM_GPUS_ON_NODE, no GPUS_PER_NODE): it says so, and the
+    allocation check refuses the GPU recipe with exit 2 before any `ray start` (a fake scontrol gives 2 nodes)."""
+    (tmp_path / "scontrol").write_text("#!/bin/sh\nprintf 'node1\\nnode2\\n'\n")
+    (tmp_path / "srun").write_text("#!/bin/sh\necho srun called >&2\nexit 99\n")
+    for tool in ("scontrol", "srun"):
+        (tmp_path / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("SLURM_GPUS_ON_NODE", "GPUS_PER_NODE")}
+    env.update(PATH=f"{tmp_path}:{env['PATH']}", RECIPE="scalerl", MODEL="llama3_8b", OUTPUT_DIR=str(tmp_path),
+               MRL=str(Path(sys.executable).parent / "megatron-rl"), PYTHONWARNINGS="ignore")  # fmt: skip
+    result = subprocess.run(["bash", str(ROOT / "slurm" / "bootstrap.sh")], env=env, capture_output=True, text=True)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "neither SLURM_GPUS_ON_NODE (set by sbatch --gpus-per-node=N) nor GPUS_PER_NODE is set" in result.stderr
+    assert "--allocation 2x0: 0 GPUs per node; this GPU run needs at least 1" in result.stderr
+    assert "srun called" not in result.stderr
