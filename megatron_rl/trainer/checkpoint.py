@@ -10,8 +10,9 @@ Layout of `<run_dir>/checkpoints/`:
                               plus the trainer's step counters and RNG states
     latest                    the name of the newest complete checkpoint
 
-A checkpoint is written into a hidden temporary directory and renamed when every rank has finished, so
-a crash mid-save never leaves a half checkpoint behind `latest`. Because the tensors are saved sharded by
+A checkpoint is written into a hidden temporary directory (`.tmp_step_...`), flushed to disk, and renamed
+when every rank has finished, so a crash mid-save never leaves a half checkpoint behind `latest`; the next
+save removes the temporary directories a killed save left. Because the tensors are saved sharded by
 global shape, a checkpoint written under one TP/PP/EP/DP layout loads under another (megatron-core
 reshards); convert/ exports them to Hugging Face.
 """
@@ -40,6 +41,9 @@ def _barrier() -> None:
 
 REQUIRED_FILES = ("megatron_rl.json", "run_state.pt", "metadata.json")
 """What every complete checkpoint holds (metadata.json: megatron-core's dist_checkpointing index)."""
+TMP_PREFIX = ".tmp_"
+"""Directories under the checkpoints root that are not (or no longer) checkpoints: a save in progress or cut
+short, a checkpoint being replaced or pruned. `latest` never names one; the next save removes them."""
 
 
 class CheckpointError(RuntimeError):
@@ -97,12 +101,10 @@ def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], kee
 
     root = Path(root)
     name = f"step_{trainer.step:08d}"
-    final, tmp = root / name, root / f".tmp_{name}"
+    tmp = root / f"{TMP_PREFIX}{name}"
     rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        for stale in root.glob(".tmp_step_*"):  # saves cut short by a kill (never pointed to by `latest`)
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        begin_save(root, tmp)
     _barrier()
     if not trainer.optimizer_has_state:
         _initialise_optimizer_state(trainer)
@@ -120,18 +122,75 @@ def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], kee
             "params_dtype": trainer.run.trainer.params_dtype,
         }
         (tmp / "megatron_rl.json").write_text(json.dumps(meta, indent=2))
+    # On disk before the rename: after a node loss the rename (and `latest`) can survive while the data they
+    # name does not, leaving empty or truncated files behind a name that says complete. Every rank flushes,
+    # since on a shared file system each node's unwritten pages are its own; on one node the first rank
+    # flushes and the others find nothing left to write.
+    sync_tree(tmp)
     _barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        marker_tmp = root / ".latest.tmp"
-        marker_tmp.write_text(name)
-        os.replace(marker_tmp, root / "latest")
-        old = sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last] if keep_last > 0 else []
-        for path in old:
-            shutil.rmtree(path, ignore_errors=True)
+    final = publish(root, tmp, name, keep_last) if rank == 0 else root / name
     _barrier()
     return final
+
+
+def begin_save(root: Path, tmp: Path) -> None:
+    """Rank 0, before a save: remove what saves cut short by a kill left behind, and make `tmp`."""
+    for stale in root.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def publish(root: Path, tmp: Path, name: str, keep_last: int) -> Path:
+    """Rank 0, once `tmp` is complete and on disk: rename it to `root/name`, point `latest` at it, prune.
+
+    Each step is durable (fsync of the renamed directory's parent) before the next depends on it: on a node
+    loss a rename can survive while the data it names, or an earlier rename, does not. Directories on their
+    way out are first renamed to `.tmp_*` names, so a kill mid-delete never leaves a partial `step_*`
+    directory that looks like a checkpoint."""
+    final = root / name
+    replaced = root / f"{TMP_PREFIX}replaced_{name}"
+    if final.exists():  # the same step saved again: `latest` may name it, so set it aside, never half-delete it
+        final.rename(replaced)
+    tmp.rename(final)
+    _fsync_dir(root)
+    marker_tmp = root / ".latest.tmp"
+    with open(marker_tmp, "w") as f:
+        f.write(name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(marker_tmp, root / "latest")
+    _fsync_dir(root)
+    shutil.rmtree(replaced, ignore_errors=True)
+    old = sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep_last] if keep_last > 0 else []
+    for path in old:
+        if path != final:
+            doomed = root / f"{TMP_PREFIX}pruned_{path.name}"
+            path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+    return final
+
+
+def sync_tree(path: Path) -> None:
+    """fsync every file under `path`, then every directory (deepest first), so their entries are durable."""
+    dirs = []
+    for here, _, files in os.walk(path):
+        dirs.append(here)
+        for name in files:
+            fd = os.open(os.path.join(here, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    for here in reversed(dirs):
+        _fsync_dir(Path(here))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def load_checkpoint(trainer: Trainer, path: Path, model_only: bool = False) -> dict[str, Any]:
