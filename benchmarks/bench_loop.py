@@ -20,7 +20,9 @@ began; the header says how many devices), so they exclude process, Ray and engin
 first and the last training row (steps 2..N) from the balancer's cumulative busy seconds
 (`rollout/generator_busy_s`: an engine is busy while it has a request outstanding); the balancer's own
 cumulative share, which also counts the idle engine during start-up, is in the JSON. Validation runs on
-the same engine and is part of both runs' step times.
+the same engine and is part of both runs' step times. Engine failures and retries are the balancer's
+counts over the whole run (`rollout/engine_failures`, `rollout/engine_retries`); nothing is injected, so
+anything but 0 means a request failed on a healthy engine.
 """
 
 from __future__ import annotations
@@ -159,6 +161,10 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
         "stale_dropped": sum(r["train/stale_dropped"] for r in train_rows),
         "stale_wait_s": sum(r.get("train/stale_wait_s", 0.0) for r in train_rows),
         "response_length": sum(r["train/response_length"] for r in train_rows) / len(train_rows),
+        # The balancer's counters are cumulative over the run (one driver process: resume is off), so the
+        # run's total is the largest value logged.
+        "engine_failures": max(r.get("rollout/engine_failures", 0.0) for r in rows),
+        "engine_retries": max(r.get("rollout/engine_retries", 0.0) for r in rows),
         "validation": curve,
     }
 
@@ -220,6 +226,7 @@ def main() -> None:
         ("stale dropped", lambda r: f"{r['stale_dropped']:.0f}"),
         ("trained length", lambda r: f"{r['response_length']:.1f}"),
         ("waited for due groups s", lambda r: f"{r['stale_wait_s']:.1f}"),
+        ("engine failures / retries", lambda r: f"{r['engine_failures']:.0f} / {r['engine_retries']:.0f}"),
     ]
     print(f"\n{args.steps} steps each, validation every {args.eval_every}; target val/pass_rate {target:.3f}\n")
     print("| loop | " + " | ".join(name for name, _ in columns) + " |")
