@@ -19,8 +19,9 @@ first rank of the full world under torch's fake process-group backend, so every 
     reserve      CUDA context, NCCL buffers, allocator fragmentation: RESERVE_GIB (ours)
 
 Engine: bf16 weights at the engine's TP, plus the KV pool SGLang carves out of `mem_fraction` of the device;
-the plan requires room for at least one longest sequence and reports how many the pool holds against the
-sequences the pipeline keeps in flight per engine.
+the plan requires room for at least one longest sequence, reports how many of the sequences the pipeline keeps
+in flight per engine (`in_flight_sequences`) the pool holds at their longest, and warns when that is fewer than
+all of them (SGLang queues the rest: slower rollouts, not a failure).
 
 The activation count is the bookkeeping of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
 Large Transformer Models", Sec. 4) with switches for what these models do differently: gated MLPs (SwiGLU),
@@ -319,12 +320,28 @@ class EngineMemory:
     pool: float
     """Bytes SGLang can give the KV cache: mem_fraction x device - weights."""
     longest: int
-    in_flight: float
-    """Sequences the pipeline keeps in flight per engine."""
+    in_flight: int
+    """Sequences the rollout pipeline keeps in flight on one engine (`in_flight_sequences`)."""
 
     @property
-    def pool_sequences(self) -> float:
-        return self.pool / (self.kv_per_token * self.longest)
+    def pool_sequences(self) -> int:
+        """Longest sequences the KV pool holds at once."""
+        return int(max(self.pool, 0.0) // (self.kv_per_token * self.longest))
+
+    @property
+    def fitting(self) -> int:
+        """How many of the sequences in flight the pool holds at once, each at its longest."""
+        return min(self.pool_sequences, self.in_flight)
+
+
+def in_flight_sequences(run: RunConfig) -> int:
+    """Sequences in flight on one engine at the pipeline's peak (rollout/pipeline.py: the producer starts a
+    group only while fewer than its capacity are generating or waiting for the trainer): groups of
+    generations_per_prompt, at most k x prompts_per_step for ppo_off_policy (a round) and min(2, k) x
+    prompts_per_step for pipeline; the balancer spreads them over the engines, the busiest gets the ceiling."""
+    r = run.rollout
+    groups = r.k * r.prompts_per_step if r.mode == "ppo_off_policy" else min(2, r.k) * r.prompts_per_step
+    return -(-groups * r.generations_per_prompt // r.engine.num_engines)
 
 
 @dataclass
@@ -335,6 +352,8 @@ class Plan:
     engine: EngineMemory | None
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What runs but slower than planned (sequences SGLang queues for want of KV cache)."""
 
     @property
     def fits(self) -> bool:
@@ -372,9 +391,23 @@ def engine_memory(run: RunConfig, total_params: int, device: float) -> EngineMem
     kv_per_token = 2 * 2.0 * m.num_layers * kv_heads * m.head_dim
     r = run.rollout
     longest = r.max_prompt_tokens + r.interruption.max_thinking_tokens + r.answer_tokens
-    groups = r.k * r.prompts_per_step if r.mode == "ppo_off_policy" else 2 * r.prompts_per_step
-    in_flight = groups * r.generations_per_prompt / engine.num_engines
-    return EngineMemory(weights, kv_per_token, engine.mem_fraction * device - weights, longest, in_flight)
+    pool = engine.mem_fraction * device - weights
+    return EngineMemory(weights, kv_per_token, pool, longest, in_flight_sequences(run))
+
+
+def kv_warnings(run: RunConfig, engine: EngineMemory) -> list[str]:
+    """A KV pool that holds fewer longest sequences than the pipeline keeps in flight is not a refusal: SGLang
+    queues the rest and runs them as others finish, so rollouts take longer than the plan's concurrency."""
+    if engine.pool_sequences >= engine.in_flight or engine.pool_sequences == 0:
+        return []
+    r = run.rollout
+    return [
+        f"engine: the KV pool holds {engine.pool_sequences} of the {engine.in_flight} sequences in flight per "
+        f"engine at {engine.longest} tokens each ({r.mode}, k={r.k}: "
+        f"{r.k if r.mode == 'ppo_off_policy' else min(2, r.k)} x {r.prompts_per_step} prompts x "
+        f"{r.generations_per_prompt} generations over {r.engine.num_engines} engines); SGLang queues the rest. "
+        "More room: rollout.engine.mem_fraction, rollout.engine.tp or rollout.engine.num_engines"
+    ]
 
 
 def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
@@ -402,6 +435,7 @@ def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
                 f"x {device / GIB:.1f} GiB for the KV cache; one {engine.longest}-token sequence needs "
                 f"{need / GIB:.2f} GiB"
             )
+        plan.warnings += kv_warnings(run, engine)
     if plan.problems and suggest:
         plan.suggestions = suggestions(run)
     return plan
@@ -475,9 +509,10 @@ def format_plan(plan: Plan) -> str:
         e, engine = plan.engine, run.rollout.engine
         lines.append(
             f"engine TP{engine.tp:<5}{'':>9}{e.weights / GIB:>9.1f}   KV pool {max(e.pool, 0) / GIB:.1f} GiB "
-            f"(mem_fraction {engine.mem_fraction}): {e.pool_sequences:.0f} sequences of {e.longest} tokens "
-            f"for {e.in_flight:.0f} in flight per engine"
+            f"(mem_fraction {engine.mem_fraction}): {e.fitting} of the {e.in_flight} sequences in flight per "
+            f"engine fit at {e.longest} tokens each (room for {e.pool_sequences})"
         )
+    lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:
         lines.append("plan: fits")
     else:

@@ -129,3 +129,11 @@ def test_the_plan_builds_on_the_meta_device_on_a_host_with_cuda(monkeypatch):
         (r.dense_params, r.expert_params) for r in on_cpu.ranks
     ]
     assert with_cuda.fits and with_cuda.ranks[0].total == on_cpu.ranks[0].total
+
+
+def test_a_kv_pool_short_of_the_sequences_in_flight_warns_but_fits():
+    result = _plan("--model", "llama3_8b", "rollout.engine.mem_fraction=0.4")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "8 of the 24 sequences in flight per engine fit at 16384 tokens each" in result.stdout
+    assert "warning: engine: the KV pool holds 8 of the 24 sequences in flight per engine" in result.stdout
+    assert "plan: fits" in result.stdout

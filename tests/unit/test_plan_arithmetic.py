@@ -66,3 +66,32 @@ def test_moe_layer_counts_routed_tokens_and_the_shared_expert():
     assert layer_activation_bytes(moe, s, recompute_modules=("moe", "shared_experts")) == pytest.approx(
         layer_activation_bytes(dense, s) + 8 * s * 16
     )
+
+
+def test_sequences_in_flight_per_engine_follow_the_pipelines_capacity():
+    from megatron_rl.config import load_config
+    from megatron_rl.plan import in_flight_sequences
+
+    # rollout/pipeline.py: capacity min(2, k) x prompts_per_step groups (pipeline), k x prompts_per_step (PPO).
+    run = load_config("scalerl", "llama3_8b")  # pipeline, k 8, 48 prompts x 16, 64 engines
+    assert in_flight_sequences(run) == 2 * 48 * 16 // 64 == 24
+    assert in_flight_sequences(load_config("scalerl", "llama3_8b", ["rollout.k=1"])) == 12
+    ppo = load_config("scalerl", "llama3_8b", ["rollout.mode=ppo_off_policy", "rollout.k=4"])
+    assert in_flight_sequences(ppo) == 4 * 48 * 16 // 64 == 48
+    uneven = load_config("scalerl", "llama3_8b", ["rollout.engine.num_engines=40"])
+    assert in_flight_sequences(uneven) == 39  # 1,536 over 40 engines: the busiest holds the ceiling
+
+
+def test_a_kv_pool_short_of_the_sequences_in_flight_is_a_warning_with_the_counts():
+    from megatron_rl.config import load_config
+    from megatron_rl.plan import GIB, EngineMemory, kv_warnings
+
+    run = load_config("scalerl", "llama3_8b")
+    per_sequence = 131072.0 * 16384  # Llama-3.1-8B: 2 (K, V) x 2 B x 32 layers x 8 KV heads x 128 = 128 KiB per token
+    short = EngineMemory(15 * GIB, 131072.0, 8.5 * per_sequence, 16384, 24)
+    assert (short.pool_sequences, short.fitting) == (8, 8)
+    (warning,) = kv_warnings(run, short)
+    assert "the KV pool holds 8 of the 24 sequences in flight per engine at 16384 tokens each" in warning
+    assert "(pipeline, k=8: 2 x 48 prompts x 16 generations over 64 engines); SGLang queues the rest" in warning
+    roomy = EngineMemory(15 * GIB, 131072.0, 26 * per_sequence, 16384, 24)
+    assert kv_warnings(run, roomy) == [] and roomy.fitting == 24
