@@ -117,7 +117,12 @@ class MetricsLogger:
     def close(self) -> None:
         self.file.close()
         if self.wandb is not None:
+            import wandb
+
             self.wandb.finish()
+            # wandb's service process otherwise lives until this interpreter's exit; the run's clean shutdown
+            # would find it still running (and end it, which makes wandb's own exit hook fail).
+            wandb.teardown()
 
 
 def _continued(path: Path, resume_step: int, header: str) -> list[str]:

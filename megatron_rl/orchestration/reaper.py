@@ -38,6 +38,7 @@ import subprocess
 import sys
 import time
 import uuid
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 TAG = "MEGATRON_RL_RUN_ID"
@@ -80,10 +81,13 @@ class Reaper:
             self.process.wait(timeout=10)
         if leftovers_grace_s is None:
             return []
+        # multiprocessing's resource tracker is this process's own helper: it exits with it, not with the run.
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        spared = {tracker} if tracker else set()
         deadline = time.monotonic() + leftovers_grace_s
-        while run_processes(self.run_id) and time.monotonic() < deadline:
+        while set(run_processes(self.run_id)) - spared and time.monotonic() < deadline:
             time.sleep(0.1)
-        return sweep(self.run_id, quiet_s=0.5, watch_s=0.0)
+        return sweep(self.run_id, quiet_s=0.5, watch_s=0.0, spared=spared)
 
 
 def tagged(run_id: str) -> set[int]:
@@ -133,12 +137,13 @@ def sweep(
     quiet_s: float = 3.0,
     watch_s: float = 15.0,
     known: dict[int, int] | None = None,
+    spared: set[int] | None = None,
 ) -> list[str]:
     """SIGKILL the run's processes (`run_processes`, and those of `known`, pid -> start time, that still
     run: a snapshot taken while the driver lived, for orphans whose tagged parent died first) until none has
     been seen for `quiet_s` and `watch_s` have passed, or `timeout_s` passed; returns what was killed
     ("pid command"). A process being spawned when its parent was killed appears a moment later, hence the
-    watch."""
+    watch. Pids in `spared` are left alone."""
     killed: dict[int, str] = {}
     start = last_seen = time.monotonic()
     known = dict(known or {})
@@ -148,7 +153,7 @@ def sweep(
         return (now - last_seen < quiet_s or now - start < watch_s) and now - start < timeout_s
 
     while watching():
-        alive = run_processes(run_id)
+        alive = {pid: st for pid, st in run_processes(run_id).items() if pid not in (spared or ())}
         for pid, started in known.items():
             if (st := _stat(pid)) is not None and st[1] == started:  # the same process, not a reused pid
                 alive[pid] = started

@@ -41,6 +41,9 @@ def _train(tmp: Path, name: str, extra: list[str]) -> list[dict]:
     env = dict(os.environ, PYTHONWARNINGS="ignore", WANDB_MODE="offline")
     out = subprocess.run(cmd + SMALL + extra, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    # a clean shutdown ends every process of the run itself (wandb's service included) and raises nothing
+    assert "still running after its shutdown" not in out.stdout, out.stdout[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-5000:]
     lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
     header = json.loads(lines[0])
     assert header["run"]["name"] == name
@@ -51,7 +54,7 @@ def _train(tmp: Path, name: str, extra: list[str]) -> list[dict]:
         for r in rows
         if "step" in r and "rollout/engine_failures" in r
     ]
-    assert all(f == 0 and n == 0 for _, f, n in failures), failures
+    assert failures and all(f == 0 and n == 0 for _, f, n in failures), failures
     assert all(r.get("rollout/sync_failures", 0) == 0 and r.get("train/stale_dropped", 0) == 0 for r in rows)
     return rows
 

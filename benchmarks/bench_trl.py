@@ -1,0 +1,176 @@
+"""TRL's GRPOTrainer on the default run's task, policy and validation: the peer the default run is timed against.
+
+    pip install trl==1.16.0 accelerate        # not a dependency of megatron_rl: the peer, for this benchmark only
+    OMP_NUM_THREADS=1 python benchmarks/bench_trl.py [--steps 80] [--lr L] [--target 0.55] [overrides ...]
+
+One process: TRL 1.16's `GRPOTrainer` with Hugging Face `generate` (no vLLM) on the CPU, started from the
+warm-started policy that `megatron-rl train --recipe scalerl-cpu [overrides]` starts from (built or taken from
+the same cache), on the same training prompts and reward function (`megatron_rl.rewards.score`), with the
+recipe's batch (prompts_per_step x generations_per_prompt completions per step, temperature 1), its length
+limit (max_thinking_tokens + answer_tokens new tokens; TRL has no interruption), learning rate, warm-up and
+gradient clip. Everything else is TRL's default: AdamW (0.9, 0.999, eps 1e-8), group-std advantages, its
+`dapo` token-level loss, no KL term, one on-policy step per generation batch.
+
+Validation uses the run's own held-out prompts (`data.val_prompts`) and `eval.samples_per_prompt` samples at
+temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights; its
+time counts, as it does in the stack. Wall times are measured from the first training step's start (model
+load and TRL's set-up excluded, as `bench_loop.py` excludes the stack's start-up). Prints one line per
+validation, the steps per minute, and the time to `--target`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from megatron_rl.config import load_config
+from megatron_rl.data.datasets import Prompt, load_splits
+from megatron_rl.orchestration.train import prepare_policy
+from megatron_rl.rewards import score
+from megatron_rl.rollout.pipeline import PromptEncoder
+
+RECIPE = "scalerl-cpu"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, help="optimizer steps (default: the recipe's total_steps)")
+    parser.add_argument("--lr", type=float, help="learning rate (default: the recipe's)")
+    parser.add_argument("--target", type=float, help="validation pass rate to time (default: start + 0.1)")
+    parser.add_argument("--json", type=Path, help="write the curve and timings here")
+    parser.add_argument("overrides", nargs="*", help="recipe overrides, as for megatron-rl train")
+    args = parser.parse_args()
+
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    run = load_config(RECIPE, None, args.overrides)
+    splits = load_splits(run.data)
+    policy = prepare_policy(run, splits)
+    tokenizer = AutoTokenizer.from_pretrained(policy)
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(policy, dtype=torch.float32)
+    encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
+    (train_prompts,) = splits.train.values()
+    val_prompts = [p for prompts in splits.val.values() for p in prompts]
+    by_id = {p.id: p for p in train_prompts}
+    steps = args.steps or run.total_steps
+    lr = args.lr or run.trainer.optimizer.lr
+    G, P = run.rollout.generations_per_prompt, run.rollout.prompts_per_step
+    max_new = run.rollout.interruption.max_thinking_tokens + run.rollout.answer_tokens
+
+    # The prompt as the chat-templated text the stack sends to SGLang, so TRL applies no template of its own.
+    dataset = Dataset.from_list(
+        [{"prompt": tokenizer.decode(encoder.encode(p)), "prompt_id": p.id} for p in train_prompts]
+    )
+
+    def reward(completion_ids: list[list[int]], prompt_id: list[str], **_: object) -> list[float]:
+        # Decoded as the stack decodes (TRL's own text drops the special `<think>` tokens the reward reads).
+        texts = [encoder.decode(ids) for ids in completion_ids]
+        return [score(text, by_id[pid], run.rewards).reward for text, pid in zip(texts, prompt_id, strict=True)]
+
+    @torch.no_grad()
+    def validate() -> float:
+        was_training = model.training
+        model.eval()
+        passed, n = 0, run.eval.samples_per_prompt
+        for start in range(0, len(val_prompts), 64):
+            chunk: list[Prompt] = val_prompts[start : start + 64]
+            enc = [encoder.encode(p) for p in chunk for _ in range(n)]
+            width = max(map(len, enc))
+            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(e)) + e for e in enc])
+            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=run.eval.temperature,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_new,
+                pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+            for row, prompt in zip(out, [p for p in chunk for _ in range(n)], strict=True):
+                tokens = row[width:].tolist()
+                if tokenizer.eos_token_id in tokens:
+                    tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
+                passed += score(encoder.decode(tokens), prompt, run.rewards).passed
+        model.train(was_training)
+        return passed / (len(val_prompts) * n)
+
+    curve: list[dict[str, float]] = []
+    clock: dict[str, float] = {}
+
+    class Validation(TrainerCallback):
+        def on_step_begin(self, _args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if "start" not in clock:
+                clock["start"] = time.perf_counter()
+                self._validate(0)
+
+        def on_step_end(self, _args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+            if state.global_step % run.eval.every_steps == 0 or state.global_step == steps:
+                self._validate(state.global_step)
+
+        def _validate(self, step: int) -> None:
+            rate = validate()
+            wall = time.perf_counter() - clock["start"]
+            curve.append({"step": step, "pass_rate": rate, "wall_s": wall})
+            print(f"step {step:4d} | val {rate:.3f} | {wall:.0f} s", flush=True)
+
+    config = GRPOConfig(
+        output_dir=str(Path("runs") / "bench_trl"),
+        learning_rate=lr,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=run.trainer.optimizer.warmup_steps,
+        max_grad_norm=run.trainer.optimizer.grad_clip,
+        weight_decay=0.0,
+        per_device_train_batch_size=P * G,
+        gradient_accumulation_steps=1,
+        num_generations=G,
+        max_completion_length=max_new,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_steps=steps,
+        logging_steps=10,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        seed=run.seed,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Validation()],
+    )
+    trainer.train()
+    loop_s = time.perf_counter() - clock["start"]
+
+    start_rate = curve[0]["pass_rate"]
+    target = args.target if args.target is not None else round(start_rate + 0.1, 3)
+    reached = next((p for p in curve if p["pass_rate"] >= target), None)
+    print(f"\nTRL GRPOTrainer, {steps} steps at lr {lr:g}: {steps / loop_s * 60:.1f} steps/min, loop {loop_s:.0f} s")
+    print("| step | " + " | ".join(str(int(p["step"])) for p in curve) + " |")
+    print("|---|" + "---:|" * len(curve))
+    print("| val | " + " | ".join(f"{p['pass_rate']:.3f}" for p in curve) + " |")
+    print("| wall s | " + " | ".join(f"{p['wall_s']:.0f}" for p in curve) + " |")
+    when = f"{reached['wall_s']:.0f} s (step {int(reached['step'])})" if reached else "not reached"
+    print(f"time to val >= {target:.3f}: {when}")
+    if args.json:
+        args.json.write_text(json.dumps({"steps": steps, "lr": lr, "loop_s": loop_s, "target": target, "curve": curve}))
+
+
+if __name__ == "__main__":
+    main()
