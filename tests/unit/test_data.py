@@ -1,6 +1,7 @@
 """Datasets: schema errors name file/row/field, skipping counts, deterministic splits, the sampler."""
 
 import json
+import random
 
 import pytest
 
@@ -25,6 +26,34 @@ def test_arithmetic_solution_is_correct_for_every_problem():
         for step in solution.removeprefix("<think>").split("</think>")[0].split():
             lhs, rhs = step.split("=")
             assert sum(int(x) for x in lhs.split("+")) == int(rhs)
+
+
+def test_slipped_solutions_reach_a_wrong_answer_consistently():
+    """With slips, a column sum is off by one at the given rate, and the carries and the boxed answer follow the
+    sums as written: the warm-up teaches the method plus an error rate, not inconsistent arithmetic."""
+    rng, slipped, columns, wrong = random.Random(0), 0, 0, 0
+    rows = arithmetic_rows(max_operand=99)[:3000]
+    for row in rows:
+        solution = arithmetic_solution(row["prompt"], slip=0.3, rng=rng)
+        steps = solution.removeprefix("<think>").split("</think>")[0].split()
+        a, b = (int(x) for x in row["prompt"].removeprefix("What is ").removesuffix("?").split(" + "))
+        carry, digits = 0, []
+        for column, step in enumerate(steps):
+            lhs, rhs = step.split("=")
+            terms = [int(x) for x in lhs.split("+")]
+            if column < len(str(max(a, b))):  # the operands' own digits, and the carry that was written
+                assert terms[:2] == [a // 10**column % 10, b // 10**column % 10]
+                assert (len(terms) == 3) == bool(carry)
+                columns += 1
+                slipped += abs(int(rhs) - sum(terms)) == 1
+                assert abs(int(rhs) - sum(terms)) <= 1
+            carry = int(rhs) // 10
+            digits.append(int(rhs) % 10 if column < len(str(max(a, b))) else int(rhs))
+        answer = int(solution.split("\\boxed{")[1].rstrip("}"))
+        assert answer == sum(d * 10**i for i, d in enumerate(digits))
+        wrong += answer != a + b
+    assert abs(slipped / columns - 0.3) < 0.02
+    assert 0.4 < wrong / len(rows) < 0.6  # about 1 - 0.7^2 over two-digit sums
 
 
 def test_bad_rows_name_file_row_and_field(tmp_path):
