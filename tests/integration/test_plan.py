@@ -60,6 +60,21 @@ def test_published_layouts_fit_and_an_undersized_one_is_refused():
     nemo_rl += ["trainer.recompute.granularity=none"]
     fits = _plan("--model", "qwen3_30b_a3b", *nemo_rl)
     assert fits.returncode == 0, fits.stdout + fits.stderr
+    # NeMo-RL's examples/configs/grpo_math_8B_megatron.yaml: Llama-3.1-8B on 1 node x 8 H100, TP 1, PP 2, no
+    # SP, no activation checkpointing, 4,096-token packed rows.
+    nemo_rl_8b = ["parallel.trainer_devices=8", "parallel.tp=1", "parallel.pp=2", "parallel.sequence_parallel=false"]
+    nemo_rl_8b += ["trainer.micro_batch_tokens=4096", "rollout.max_prompt_tokens=1024", "rollout.answer_tokens=1024"]
+    nemo_rl_8b += ["rollout.interruption.min_thinking_tokens=2048", "rollout.interruption.max_thinking_tokens=2048"]
+    fits = _plan("--model", "llama3_8b", *nemo_rl_8b, "trainer.recompute.granularity=none")
+    assert fits.returncode == 0 and "plan: fits" in fits.stdout, fits.stdout + fits.stderr
+    # Megatron-Bridge's recipes/llama/llama4_e16.py (Scout): TP 4 + SP, PP 1, ETP 4, EP 16, 8,192-token
+    # sequences, no recompute; 64 GPUs is the smallest world its ETP x EP forms.
+    bridge = ["parallel.trainer_devices=64", "parallel.tp=4", "parallel.sequence_parallel=true", "parallel.ep=16"]
+    bridge += ["parallel.etp=4", "trainer.micro_batch_tokens=8192", "rollout.max_prompt_tokens=2048"]
+    bridge += ["rollout.answer_tokens=2048", "rollout.interruption.min_thinking_tokens=4096"]
+    bridge += ["rollout.interruption.max_thinking_tokens=4096", "trainer.recompute.granularity=none"]
+    fits = _plan("--model", "llama4_scout_17bx16e", *bridge)
+    assert fits.returncode == 0 and "plan: fits" in fits.stdout, fits.stdout + fits.stderr
     # Deliberately undersized: Qwen3-30B-A3B on 4 H100s (EP 4) holds 7.6B expert parameters per GPU at 18 B each.
     refused = _plan("--model", "qwen3_30b_a3b", "parallel.trainer_devices=4", "parallel.ep=4")
     assert refused.returncode == 2 and "does not fit" in refused.stdout
