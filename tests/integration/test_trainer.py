@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from megatron_rl.trainer.distributed import process_group_backend, served_device_types
 from megatron_rl.trainer.logprobs import naive_token_logprobs, token_logprobs
 from megatron_rl.trainer.step import MicroBatch, Sequence, pack, shard_for_rank
 
@@ -252,46 +253,83 @@ def test_resume_gives_the_bit_identical_next_step(tmp_path):
 )
 def test_parallel_layouts_match_a_single_rank(tmp_path, model, layout):
     """Log-probs, and loss and gradient norm of two steps (the second sees the first step's whole gradient
-    through Adam), on packed rows of odd lengths (sequence parallel pads them)."""
+    through Adam), on packed rows of odd lengths (sequence parallel pads them). For dense TP alone (every
+    rank holds TP shards of the whole model), also every parameter's gradient of the second step."""
     single = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
+    tp_only = model == "cpu_demo" and "parallel.tp=2" in layout
     (ref,) = _run(tmp_path, "ref", {"model": model, "overrides": LR + single, "save": str(tmp_path / "ck")})
     checkpoint = str(tmp_path / "ck" / "step_00000000")
-    (ref_step,) = _run(
-        tmp_path,
-        "ref_step",
-        {"model": model, "overrides": LR + single, "load": checkpoint, "model_only": True, "steps": 2},
-    )
+    step_spec = {"model": model, "load": checkpoint, "model_only": True, "steps": 2, "grads": tp_only}
+    (ref_step,) = _run(tmp_path, "ref_step", {**step_spec, "overrides": LR + single})
     overrides = LR + single[:3] + layout + ["parallel.trainer_devices=2"]
-    ranks = _run(
-        tmp_path,
-        "par",
-        {"model": model, "overrides": overrides, "load": checkpoint, "model_only": True, "steps": 2},
-        world=2,
-    )
+    ranks = _run(tmp_path, "par", {**step_spec, "overrides": overrides}, world=2)
     for rank in ranks:
         assert _max_diff(rank["logprobs"], ref["logprobs"]) < 2e-5
         for step, expected in zip(rank["steps"], ref_step["steps"], strict=True):
             assert step["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-5, abs=1e-6)
             assert step["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+    if "parallel.sequence_parallel=true" in layout:
+        assert any(tokens % 2 for tokens, _ in ranks[0]["rows"]), ranks[0]["rows"]  # a row padded for SP
+        assert all(padded % 2 == 0 for _, padded in ranks[0]["rows"]), ranks[0]["rows"]
+    if tp_only:
+        whole = _whole_tp_grads(ranks)
+        assert sorted(whole) == sorted(ref_step["grads"])
+        for name, grad in ref_step["grads"].items():
+            torch.testing.assert_close(whole[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)
+
+
+def _whole_tp_grads(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """Full gradients from the gradients of TP ranks 0..n-1 (one data-parallel rank): a TP-split parameter's
+    shards joined along its split dimension (SwiGLU's fc1 shard r is [gate_r; up_r]); any other parameter's
+    gradient is the same on every rank (the sequence-parallel norms' partial gradients summed over TP)."""
+    whole = {}
+    for name, grad in ranks[0]["grads"].items():
+        shards = [rank["grads"][name] for rank in ranks]
+        dim = ranks[0]["tp_dims"].get(name)
+        if dim is None:
+            for shard in shards[1:]:
+                torch.testing.assert_close(shard, grad, rtol=1e-6, atol=1e-9, msg=name)
+            whole[name] = grad
+        elif name.endswith("linear_fc1.weight"):
+            halves = [shard.chunk(2, dim) for shard in shards]
+            whole[name] = torch.cat([gate for gate, _ in halves] + [up for _, up in halves], dim)
+        else:
+            whole[name] = torch.cat(shards, dim)
+    return whole
+
+
+ATTENTION, MLP, MOE = "Attention._checkpointed_attention_forward", "TransformerLayer._forward_mlp", "MoELayer.forward"
+LAYERS = "checkpointed_forward.<locals>.chunk_runner"  # TransformerBlock's full recompute, one call per group
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "model, recompute",
+    "model, recompute, checkpointed",
     [
-        ("cpu_demo", ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn,mlp]"]),
-        ("cpu_demo", ["trainer.recompute.granularity=full", "trainer.recompute.method=uniform"]),
-        ("cpu_demo", ["trainer.recompute.granularity=full", "trainer.recompute.method=block"]),
-        ("tiny_llama4", ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn,moe]"]),
-        ("tiny_llama4", ["trainer.recompute.granularity=full", "trainer.recompute.num_layers=2"]),
+        (
+            "cpu_demo",
+            ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn,mlp]"],
+            {ATTENTION: 4, MLP: 4},
+        ),
+        ("cpu_demo", ["trainer.recompute.granularity=full", "trainer.recompute.method=uniform"], {LAYERS: 4}),
+        ("cpu_demo", ["trainer.recompute.granularity=full", "trainer.recompute.method=block"], {LAYERS: 1}),
+        (
+            "tiny_llama4",
+            ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn,moe]"],
+            {ATTENTION: 2, MOE: 2},
+        ),
+        ("tiny_llama4", ["trainer.recompute.granularity=full", "trainer.recompute.num_layers=2"], {LAYERS: 1}),
     ],
     ids=["selective", "full_uniform", "full_block", "moe_selective", "moe_full_2_layers"],
 )
-def test_recompute_gives_identical_loss_and_gradients(tmp_path, model, recompute):
+def test_recompute_gives_identical_loss_and_gradients(tmp_path, model, recompute, checkpointed):
+    """Same loss and gradients with recompute; and the recompute ran: megatron's activation checkpoint wrapped
+    the configured parts (per micro-batch: each layer's attention / MLP / MoE, or one call per group of
+    layers) in the forward of the step, and recomputed each of them in its backward."""
     single = ["parallel.ep=1", "parallel.trainer_devices=1"]
     if model == "tiny_llama4":  # recompute through the chunked and temperature-tuned attention too
         single += ["model.attention_chunk_size=4", "model.attn_temperature_tuning=true", "model.floor_scale=4"]
-    spec = {"model": model, "steps": 1, "grads": True}
+    spec = {"model": model, "steps": 1, "grads": True, "record_checkpoints": True}
     (plain,) = _run(tmp_path, "plain", {**spec, "overrides": LR + single})
     (again,) = _run(tmp_path, "again", {**spec, "overrides": LR + single + recompute})
     assert again["steps"] == plain["steps"]  # loss, grad norm, mismatch
@@ -299,24 +337,44 @@ def test_recompute_gives_identical_loss_and_gradients(tmp_path, model, recompute
     for name, grad in plain["grads"].items():
         torch.testing.assert_close(again["grads"][name], grad, rtol=1e-6, atol=1e-8, msg=name)
 
+    assert plain["checkpoints"][1] == {"forward": {}, "backward": {}}
+    micro_batches = len(again["micro_batches"])
+    expected = {by: count * micro_batches for by, count in checkpointed.items()}
+    assert again["checkpoints"][1] == {"forward": expected, "backward": expected}
+
+
+def _illegal_on_a_gpu_node(calls: set[tuple[str, str, str]], trainer_device: str, default: str) -> list[tuple]:
+    """The (collective, group backend, device type) calls of a CPU run that would fail on a GPU node, where the
+    default group is built with backend `default` and the trainer's device is CUDA.
+
+    A group inherits the default group's backend unless its constructor named one (megatron's gloo groups).
+    A tensor on the trainer's device here is on CUDA there, unless it is bookkeeping the trainer keeps on CPU;
+    on CPU the two cannot be told apart, so such a tensor must be served on both."""
+    illegal = []
+    for name, backend, device in sorted(calls):
+        there = {"cpu", "cuda"} if device == trainer_device else {device}
+        if not there <= served_device_types(default if backend == "default" else backend):
+            illegal.append((name, backend, device))
+    return illegal
+
 
 @pytest.mark.slow
 def test_trainer_collectives_only_pass_tensors_the_gpu_process_groups_serve(tmp_path):
     """Every tensor any collective receives in a step (ours and megatron's: MoE dispatch, sequence parallel,
-    gradient reduction, metric sums) must be of a device type that the default group serves on a GPU node.
+    gradient reduction, metric sums) must be of a device type that its group's backend serves on a GPU node.
     The bookkeeping is on CPU: a NCCL-only group (torch: "No backend type associated with device type cpu")
     would fail, the trainer's "cpu:gloo,cuda:nccl" serves it."""
-    from megatron_rl.trainer.distributed import process_group_backend, served_device_types
-
     overrides = LR + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.trainer_devices=2"]
     spec = {"model": "tiny_moe", "overrides": overrides, "steps": 1, "record_collectives": True}
     for rank in _run(tmp_path, "collectives", spec, world=2):
-        seen = rank["collective_devices"]
-        assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"} <= set(seen), seen
-        used = set().union(*seen.values())
-        assert "cpu" in used  # on a GPU node these would be the CPU bookkeeping tensors
-        assert used <= served_device_types(process_group_backend(cuda=True)), seen
-        assert not used <= served_device_types("nccl")  # what an NCCL-only default group would refuse
+        calls, device = rank["collectives"]["calls"], rank["device"]
+        assert rank["collectives"]["default"] == process_group_backend(cuda=False) and device == "cpu"
+        names = {name for name, _, _ in calls}
+        assert {"all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single"} <= names, calls
+        assert any(backend == "default" for _, backend, _ in calls)  # megatron's groups inherit the default's
+        assert _illegal_on_a_gpu_node(calls, device, process_group_backend(cuda=True)) == []
+        # The check can fail: an NCCL-only default group refuses the CPU bookkeeping (and all a CPU run sees).
+        assert ("all_reduce", "default", "cpu") in _illegal_on_a_gpu_node(calls, device, "nccl")
 
 
 def test_a_sequence_longer_than_a_micro_batch_stops_before_any_collective(tmp_path):

@@ -4,8 +4,9 @@
 
 SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
        "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, ...}.
-Every rank writes its results to `out.rank<r>`: log-probs of a fixed batch before training, then the loss and
-grad norm of each step.
+Every rank writes its results to `out.rank<r>`: log-probs of a fixed batch before training, its packed rows,
+then the loss and grad norm of each step; on request ("grads", "record_collectives", "record_checkpoints")
+the last step's gradients, what each collective received, and megatron's activation checkpoints per phase.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ from __future__ import annotations
 import json
 import random
 import sys
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -57,39 +61,117 @@ COLLECTIVES = (
 )  # fmt: skip
 
 
-def _record_collective_devices() -> dict[str, set[str]]:
-    """Wrap torch.distributed's collectives (megatron's calls included) and record the device type of every
-    tensor each one receives: {collective name: {device types}}."""
+def _record_collectives() -> dict[str, Any]:
+    """Wrap torch.distributed's collectives (megatron's calls included) and its group constructors.
+
+    Returns {"calls": {(collective, group backend, device type) of every tensor a collective received},
+    "default": the default group's backend}. The group backend is the one its constructor declared, or
+    "default" for a group that inherits the default group's (new_group's backend=None, or group=None)."""
+    import inspect
+
     import torch.distributed as dist
 
-    seen: dict[str, set[str]] = {}
+    record: dict[str, Any] = {"calls": set(), "default": None}
+    declared: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, its constructor's backend)
 
-    def tensors(value):
+    def backend_of(group: Any) -> str:
+        if group is None or group is dist.GroupMember.WORLD:
+            return "default"
+        known = declared.get(id(group))
+        assert known is not None and known[0] is group, f"a collective on a group not made by new_group: {group}"
+        return known[1]
+
+    def tensors(value: Any) -> Iterator[torch.Tensor]:
         if isinstance(value, torch.Tensor):
             yield value
         elif isinstance(value, (list, tuple)):
             for item in value:
                 yield from tensors(item)
 
-    def wrap(name, fn):
-        def collective(*args, **kwargs):
+    def wrap(name: str, fn: Any) -> Any:
+        signature = inspect.signature(fn)
+
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs).arguments
+            backend = backend_of(bound.get("group"))
             for tensor in tensors(list(args) + list(kwargs.values())):
-                seen.setdefault(name, set()).add(tensor.device.type)
+                record["calls"].add((name, backend, tensor.device.type))
             return fn(*args, **kwargs)
 
         return collective
 
+    def new_group(fn: Any) -> Any:
+        signature = inspect.signature(fn)
+
+        def make(*args: Any, **kwargs: Any) -> Any:
+            backend = signature.bind(*args, **kwargs).arguments.get("backend")
+            group = fn(*args, **kwargs)
+            declared[id(group)] = (group, "default" if backend is None else str(backend))
+            return group
+
+        return make
+
+    def init_process_group(fn: Any) -> Any:
+        signature = inspect.signature(fn)
+
+        def init(*args: Any, **kwargs: Any) -> Any:
+            record["default"] = signature.bind(*args, **kwargs).arguments.get("backend")
+            return fn(*args, **kwargs)
+
+        return init
+
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, wrap(name, getattr(dist, name)))
+    dist.new_group = new_group(dist.new_group)
+    dist.init_process_group = init_process_group(dist.init_process_group)
     p2p_op = dist.P2POp.__init__
+    p2p_signature = inspect.signature(p2p_op)
 
-    def p2p_init(self, op, tensor, *args, **kwargs):
-        seen.setdefault("batch_isend_irecv", set()).add(tensor.device.type)
-        p2p_op(self, op, tensor, *args, **kwargs)
+    def p2p_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        bound = p2p_signature.bind(self, *args, **kwargs).arguments
+        record["calls"].add(("batch_isend_irecv", backend_of(bound.get("group")), bound["tensor"].device.type))
+        p2p_op(self, *args, **kwargs)
 
     dist.P2POp.__init__ = p2p_init
-    return seen
+    return record
+
+
+def _record_checkpoints() -> dict[str, Counter]:
+    """Wrap megatron's activation checkpoint (every recompute path goes through `CheckpointFunction`) and count
+    its forwards and its backwards (the recompute) by the function that checkpointed, e.g.
+    "Attention._checkpointed_attention_forward" or "checkpointed_forward.<locals>.chunk_runner"."""
+    from megatron.core.tensor_parallel.random import CheckpointFunction
+
+    counts: dict[str, Counter] = {"forward": Counter(), "backward": Counter()}
+    forward, backward = CheckpointFunction.forward, CheckpointFunction.backward
+    inside = ("torch/autograd/", "megatron/core/tensor_parallel/random.py")
+
+    def caller() -> str:
+        frame = sys._getframe(2)
+        while frame is not None and any(part in frame.f_code.co_filename for part in inside):
+            frame = frame.f_back
+        return frame.f_code.co_qualname if frame is not None else "?"
+
+    def checkpointed_forward(ctx: Any, *args: Any) -> Any:
+        ctx.checkpointed_by = caller()
+        counts["forward"][ctx.checkpointed_by] += 1
+        return forward(ctx, *args)
+
+    def recomputed_backward(ctx: Any, *grads: Any) -> Any:
+        counts["backward"][ctx.checkpointed_by] += 1
+        return backward(ctx, *grads)
+
+    CheckpointFunction.forward = staticmethod(checkpointed_forward)
+    CheckpointFunction.backward = staticmethod(recomputed_backward)
+    return counts
+
+
+def _take(counts: dict[str, Counter]) -> dict[str, dict[str, int]]:
+    taken = {k: dict(v) for k, v in counts.items()}
+    for count in counts.values():
+        count.clear()
+    return taken
 
 
 def main(spec: dict) -> None:
@@ -98,7 +180,8 @@ def main(spec: dict) -> None:
     from megatron_rl.trainer.step import Trainer, sequences_from_groups
 
     torch.set_num_threads(1)
-    devices = _record_collective_devices() if spec.get("record_collectives") else None
+    collectives = _record_collectives() if spec.get("record_collectives") else None
+    checkpoints = _record_checkpoints() if spec.get("record_checkpoints") else None
     run = load_config(spec.get("recipe", "scalerl-cpu"), spec["model"], spec.get("overrides", []))
     trainer = Trainer(run)
     if spec.get("hf"):
@@ -121,8 +204,12 @@ def main(spec: dict) -> None:
         }
         if torch.distributed.get_rank() == 0:
             torch.save(exported, spec["dump_hf"])
-    result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": []}
-    result["micro_batches"] = [len(mb.sequences) for mb in trainer._micro_batches(sequences_from_groups(batch, run))]
+    result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": [], "checkpoints": []}
+    if checkpoints is not None:  # [log-probs, step 1, ...]: {"forward"/"backward": {checkpointed by: count}}
+        result["checkpoints"].append(_take(checkpoints))
+    micro_batches = trainer._micro_batches(sequences_from_groups(batch, run))
+    result["micro_batches"] = [len(mb.sequences) for mb in micro_batches]
+    result["rows"] = [(sum(len(s.tokens) for s in mb.sequences), mb.num_tokens) for mb in micro_batches]  # padded
     if spec.get("dump_state"):
         state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
         torch.save({"state": state, "batch": batch}, spec["dump_state"])
@@ -134,14 +221,22 @@ def main(spec: dict) -> None:
                     completion.gen_logprobs = next(logprobs)
         metrics = trainer.train_step(batch)
         result["steps"].append({k: metrics[k] for k in ("train/loss", "train/grad_norm", "train/mismatch")})
+        if checkpoints is not None:
+            result["checkpoints"].append(_take(checkpoints))
         if spec.get("save_after") == len(result["steps"]):
             save_checkpoint(trainer, spec["save"], {"note": "test"})
     if spec.get("save") and not spec.get("save_after"):
         save_checkpoint(trainer, spec["save"], {"note": "test"})
     if spec.get("grads"):  # this rank's gradients of the last step (megatron's fp32 main_grad buffers)
         result["grads"] = {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
-    if devices is not None:
-        result["collective_devices"] = devices
+        result["tp_dims"] = {  # the dimension a TP-split parameter is split along
+            n: p.partition_dim
+            for n, p in trainer.model.named_parameters()
+            if getattr(p, "tensor_model_parallel", False)
+        }
+    if collectives is not None:
+        result["collectives"] = collectives
+        result["device"] = trainer.info.device.type
     head = trainer.model.output_layer.weight if trainer.model.post_process else None
     if head is not None:
         result["head_dtype"] = str(head.dtype)
