@@ -28,7 +28,9 @@ RULES = [
     "model.max_position_embeddings=256",
 ]
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
-BATCH = {"prompts": 3, "group": 3, "prompt_len": [15, 30], "completion_len": [25, 70], "seed": 3}
+# Two packed rows (6 and 3 sequences) of odd lengths, 477 and 173 tokens: at TP2 with sequence parallel each
+# gets a padding segment of one token, and the padding goes through the chunked attention too.
+BATCH = {"prompts": 3, "group": 3, "prompt_len": [15, 30], "completion_len": [25, 70], "seed": 5}
 LAYOUTS = {
     "tp1": SINGLE,
     "tp2_sp": SINGLE[:3] + ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.trainer_devices=2"],
@@ -91,4 +93,7 @@ def test_trainer_log_probs_equal_transformers_llama4(scout_like, layout):
     for rank in ranks:
         rows = rank["micro_batches"]
         assert max(rows) >= 3, f"{layout}: expected several sequences per packed row, got {rows}"
+        if layout == "tp2_sp":
+            assert all(tokens % 2 for tokens, _ in rank["rows"]), rank["rows"]  # each row padded for SP
+            assert all(padded == tokens + 1 for tokens, padded in rank["rows"]), rank["rows"]
         assert _max_diff(rank["logprobs"], expected) < 1e-5
