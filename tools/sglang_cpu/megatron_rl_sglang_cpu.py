@@ -1,4 +1,7 @@
-"""Import guard for torchvision's op registrations on CPU-only torch (imported by megatron_rl_sglang_cpu.pth).
+"""CPU shims for SGLang 0.5.23, imported at start-up by megatron_rl_sglang_cpu.pth in every process (the
+server's scheduler and detokenizer processes included). Both act only when torch has no CUDA.
+
+1. Import guard for torchvision's op registrations.
 
 Why: SGLang imports torchvision (its multimodal processors and config modules use
 `torchvision.transforms`). The only torchvision on the reachable registries is PyPI's CUDA-linked wheel:
@@ -15,6 +18,21 @@ torch's own "operator does not exist" error. With a working torchvision (GPU nod
 finder steps aside and the real modules load. Nothing in torchvision's files is modified.
 
 Cost: one set lookup per import; `import torch` is never triggered by this module.
+
+2. Batched decode attention for the torch-native backend.
+
+Why: `TorchNativeAttnBackend._run_sdpa_forward_decode` (the attention of every decode step with
+`--attention-backend torch_native`, the CPU path) loops over the running sequences in Python and calls SDPA
+once per sequence per layer; with 256 sequences of a small model that loop was half of the scheduler's time
+(benchmarks/README.md, "Default run"), and SGLang's own code marks it "inefficient, optimize later".
+
+What: once that module is imported, the method is wrapped: for plain decode (no encoder, no cross attention,
+no sliding window) every sequence's keys and values are gathered from the KV pool into one [sequences, kv
+heads, longest, dim] tensor and one SDPA call attends with a padding mask, which is the same attention as the
+loop (each query sees exactly its own sequence's cache) in one kernel call. Any other case goes to the original
+method. The result is checked against the original on random caches in tests/integration/test_sglang_cpu.py,
+and the engine tests compare the served log-probs with transformers'. Nothing in SGLang's files is modified;
+with CUDA present the module is left alone.
 """
 
 from __future__ import annotations
@@ -59,9 +77,96 @@ class TorchvisionRegistrationGuard(importlib.abc.MetaPathFinder):
         return importlib.machinery.ModuleSpec(fullname, _EmptyModuleLoader(), origin="megatron_rl_sglang_cpu")
 
 
+TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend"
+
+
+def batched_decode(original):  # type: ignore[no-untyped-def]
+    """`_run_sdpa_forward_decode` with one SDPA call over all sequences of a plain decode batch."""
+
+    def run(  # type: ignore[no-untyped-def]
+        self,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        encoder_lens=None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size=None,
+    ):
+        plain = encoder_lens is None and not is_cross_attn and not causal
+        plain = plain and (sliding_window_size is None or sliding_window_size <= -1) and seq_lens.numel() > 0
+        if not plain:
+            return original(
+                self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, encoder_lens,
+                scaling, enable_gqa, causal, is_cross_attn, sliding_window_size,
+            )  # fmt: skip
+        import torch
+
+        lengths = seq_lens.to(torch.long)
+        width = int(lengths.max())
+        valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [seqs, width]
+        slots = req_to_token[req_pool_indices.to(torch.long), :width].to(torch.long)
+        slots = torch.where(valid, slots, torch.zeros_like(slots))  # past a sequence's end: any slot, masked
+        keys = k_cache[slots].transpose(1, 2)  # [seqs, kv heads, width, dim]
+        values = v_cache[slots].transpose(1, 2)
+        queries = query.unsqueeze(2)  # [seqs, heads, 1, dim]: one query token per sequence
+        if keys.dtype != queries.dtype:
+            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=valid[:, None, None, :], scale=scaling, enable_gqa=enable_gqa
+        )
+        output.copy_(out.squeeze(2))
+        return output
+
+    run.megatron_rl_original = original  # type: ignore[attr-defined]
+    return run
+
+
+def _patch_torch_native(module: types.ModuleType) -> None:
+    backend = module.TorchNativeAttnBackend
+    if not hasattr(backend._run_sdpa_forward_decode, "megatron_rl_original"):
+        backend._run_sdpa_forward_decode = batched_decode(backend._run_sdpa_forward_decode)
+
+
+class _PatchAfterLoad(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self.loader.exec_module(module)
+        _patch_torch_native(module)
+
+
+class TorchNativeDecodePatch(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self, fullname: str, path: object = None, target: object = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != TORCH_NATIVE:
+            return None
+        torch = sys.modules.get("torch")
+        if torch is None or torch.cuda.is_available():
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _PatchAfterLoad(spec.loader)
+        return spec
+
+
 def install() -> None:
     if not any(isinstance(finder, TorchvisionRegistrationGuard) for finder in sys.meta_path):
         sys.meta_path.insert(0, TorchvisionRegistrationGuard())
+    if not any(isinstance(finder, TorchNativeDecodePatch) for finder in sys.meta_path):
+        sys.meta_path.insert(0, TorchNativeDecodePatch())
 
 
 install()

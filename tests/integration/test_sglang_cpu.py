@@ -1,0 +1,79 @@
+"""The CPU shims installed for SGLang (tools/sglang_cpu): the batched decode attention of the torch-native backend
+gives the attention of SGLang's own per-sequence loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch_native = pytest.importorskip("sglang.srt.layers.attention.torch_native_backend")
+
+
+def _decode_batch(seed: int, heads: int, kv_heads: int, dim: int, lengths: list[int]) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    pool, width = 4096, max(lengths) + 7
+    req_to_token = torch.zeros(64, width, dtype=torch.int32)
+    free = torch.randperm(pool - 1, generator=g)[: sum(lengths)] + 1  # scattered cache slots, 0 unused
+    rows = torch.randperm(64, generator=g)[: len(lengths)]
+    used = 0
+    for row, n in zip(rows.tolist(), lengths, strict=True):
+        req_to_token[row, :n] = free[used : used + n].to(torch.int32)
+        req_to_token[row, n:] = torch.randint(0, pool, (width - n,), generator=g, dtype=torch.int32)  # stale slots
+        used += n
+    return dict(
+        query=torch.randn(len(lengths), heads, dim, generator=g),
+        k_cache=torch.randn(pool, kv_heads, dim, generator=g),
+        v_cache=torch.randn(pool, kv_heads, dim, generator=g),
+        req_to_token=req_to_token,
+        req_pool_indices=rows,
+        seq_lens=torch.tensor(lengths),
+    )
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "lengths"),
+    [(4, 2, [1, 17, 40, 3, 64]), (4, 4, [9]), (8, 2, [5, 5, 5, 5]), (4, 1, list(range(1, 70, 3)))],
+)
+def test_batched_decode_equals_the_per_sequence_loop(heads: int, kv_heads: int, lengths: list[int]) -> None:
+    run = torch_native.TorchNativeAttnBackend._run_sdpa_forward_decode
+    assert hasattr(run, "megatron_rl_original"), "the CPU shim did not patch the torch-native decode"
+    batch = _decode_batch(0, heads, kv_heads, 32, lengths)
+    outputs = []
+    for method in (run, run.megatron_rl_original):
+        out = torch.full((len(lengths), heads, 32), float("nan"))
+        query, k_cache, v_cache = batch["query"], batch["k_cache"], batch["v_cache"]
+        kwargs = dict(scaling=32**-0.5, enable_gqa=heads != kv_heads)
+        method(
+            None,
+            query,
+            out,
+            k_cache,
+            v_cache,
+            batch["req_to_token"],
+            batch["req_pool_indices"],
+            batch["seq_lens"],
+            **kwargs,
+        )
+        outputs.append(out)
+    batched, loop = outputs
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-6)
+
+
+def test_other_decode_cases_take_sglangs_own_path() -> None:
+    """A sliding window is left to SGLang's loop: the result equals the original method's exactly."""
+    run = torch_native.TorchNativeAttnBackend._run_sdpa_forward_decode
+    batch = _decode_batch(1, 4, 2, 32, [12, 30])
+
+    class Backend:  # the original reads only this helper from `self` on the sliding-window path
+        _make_sliding_window_mask = staticmethod(torch_native.TorchNativeAttnBackend._make_sliding_window_mask)
+
+    outputs = []
+    for method in (run, run.megatron_rl_original):
+        out = torch.zeros(2, 4, 32)
+        method(
+            Backend(), batch["query"], out, batch["k_cache"], batch["v_cache"], batch["req_to_token"],
+            batch["req_pool_indices"], batch["seq_lens"], scaling=None, enable_gqa=True, sliding_window_size=8,
+        )  # fmt: skip
+        outputs.append(out)
+    assert torch.equal(outputs[0], outputs[1])
