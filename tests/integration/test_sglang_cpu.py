@@ -1,5 +1,5 @@
-"""The CPU shims installed for SGLang (tools/sglang_cpu): the batched decode attention of the torch-native backend
-gives the attention of SGLang's own per-sequence loop."""
+"""The CPU shims installed for SGLang (tools/sglang_cpu): the batched decode and prefill attention of the
+torch-native backend give the attention of SGLang's own per-sequence loops."""
 
 from __future__ import annotations
 
@@ -54,6 +54,34 @@ def test_batched_decode_equals_the_per_sequence_loop(heads: int, kv_heads: int, 
             batch["seq_lens"],
             **kwargs,
         )
+        outputs.append(out)
+    batched, loop = outputs
+    assert torch.isfinite(batched).all()
+    torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "prefixes", "extends"),
+    [(4, 2, [0, 16, 3, 40], [12, 1, 30, 7]), (4, 4, [0], [25]), (8, 1, [0, 0, 0], [9, 9, 9])],
+)
+def test_batched_prefill_equals_the_per_sequence_loop(
+    heads: int, kv_heads: int, prefixes: list[int], extends: list[int]
+) -> None:
+    """Prefill after a cached prefix (the radix cache's hit, or an interruption's second request): token i of
+    a sequence attends to the cache up to its own position, whatever the other sequences' lengths."""
+    run = torch_native.TorchNativeAttnBackend._run_sdpa_forward_extend
+    assert hasattr(run, "megatron_rl_original"), "the CPU shim did not patch the torch-native prefill"
+    lengths = [p + e for p, e in zip(prefixes, extends, strict=True)]
+    batch = _decode_batch(2, heads, kv_heads, 32, lengths)
+    query = torch.randn(sum(extends), heads, 32, generator=torch.Generator().manual_seed(3))
+    outputs = []
+    for method in (run, run.megatron_rl_original):
+        out = torch.full((sum(extends), heads, 32), float("nan"))
+        tensors = [batch[k] for k in ("k_cache", "v_cache", "req_to_token", "req_pool_indices", "seq_lens")]
+        method(
+            None, query, out, *tensors, torch.tensor(prefixes), torch.tensor(extends),
+            scaling=32**-0.5, enable_gqa=heads != kv_heads, causal=True,
+        )  # fmt: skip
         outputs.append(out)
     batched, loop = outputs
     assert torch.isfinite(batched).all()

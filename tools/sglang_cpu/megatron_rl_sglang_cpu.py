@@ -19,7 +19,7 @@ finder steps aside and the real modules load. Nothing in torchvision's files is 
 
 Cost: one set lookup per import; `import torch` is never triggered by this module.
 
-2. Batched decode attention for the torch-native backend.
+2. Batched decode and prefill attention for the torch-native backend.
 
 Why: `TorchNativeAttnBackend._run_sdpa_forward_decode` (the attention of every decode step with
 `--attention-backend torch_native`, the CPU path) loops over the running sequences in Python and calls SDPA
@@ -29,10 +29,12 @@ once per sequence per layer; with 256 sequences of a small model that loop was h
 What: once that module is imported, the method is wrapped: for plain decode (no encoder, no cross attention,
 no sliding window) every sequence's keys and values are gathered from the KV pool into one [sequences, kv
 heads, longest, dim] tensor and one SDPA call attends with a padding mask, which is the same attention as the
-loop (each query sees exactly its own sequence's cache) in one kernel call. Any other case goes to the original
-method. The result is checked against the original on random caches in tests/integration/test_sglang_cpu.py,
-and the engine tests compare the served log-probs with transformers'. Nothing in SGLang's files is modified;
-with CUDA present the module is left alone.
+loop (each query sees exactly its own sequence's cache) in one kernel call. Prefill
+(`_run_sdpa_forward_extend`, the same per-sequence loop) is batched the same way with a causal mask offset by
+each sequence's cached prefix, up to a size where padding would cost more than the loop. Any other case goes
+to the original method. The results are checked against the original methods on random caches
+(tests/integration/test_sglang_cpu.py), and the engine tests compare the served log-probs with transformers'.
+Nothing in SGLang's files is modified; with CUDA present the module is left alone.
 """
 
 from __future__ import annotations
@@ -128,10 +130,80 @@ def batched_decode(original):  # type: ignore[no-untyped-def]
     return run
 
 
+BATCHED_EXTEND_MAX_SCORES = 1 << 26
+"""Above this many attention scores (sequences x heads x longest extend x longest context) a prefill batch
+keeps SGLang's per-sequence loop: padding every sequence to the longest would cost more than the loop."""
+
+
+def batched_extend(original):  # type: ignore[no-untyped-def]
+    """`_run_sdpa_forward_extend` (prefill: new tokens after a cached prefix) with one SDPA call over all
+    sequences: query token i of a sequence with prefix p sees the cached keys 0 .. p + i, as in the loop."""
+
+    def run(  # type: ignore[no-untyped-def]
+        self,
+        query,
+        output,
+        k_cache,
+        v_cache,
+        req_to_token,
+        req_pool_indices,
+        seq_lens,
+        extend_prefix_lens,
+        extend_seq_lens,
+        encoder_lens=None,
+        scaling=None,
+        enable_gqa=False,
+        causal=False,
+        is_cross_attn=False,
+        sliding_window_size=None,
+    ):
+        import torch
+
+        plain = encoder_lens is None and not is_cross_attn and causal and seq_lens.numel() > 0
+        plain = plain and (sliding_window_size is None or sliding_window_size <= -1)
+        if plain:
+            extend = extend_seq_lens.to(torch.long)
+            width, longest = int(seq_lens.max()), int(extend.max())
+            plain = seq_lens.numel() * query.shape[1] * longest * width <= BATCHED_EXTEND_MAX_SCORES
+        if not plain:
+            return original(
+                self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
+                extend_prefix_lens, extend_seq_lens, encoder_lens, scaling, enable_gqa, causal, is_cross_attn,
+                sliding_window_size,
+            )  # fmt: skip
+        device = query.device
+        rows = torch.arange(longest, device=device)
+        starts = torch.cumsum(extend, 0) - extend
+        asked = rows[None, :] < extend[:, None]  # [seqs, longest]: real query tokens
+        token = torch.where(asked, starts[:, None] + rows[None, :], torch.zeros_like(asked, dtype=torch.long))
+        columns = torch.arange(width, device=device)
+        lengths = seq_lens.to(torch.long)
+        slots = req_to_token[req_pool_indices.to(torch.long), :width].to(torch.long)
+        slots = torch.where(columns[None, :] < lengths[:, None], slots, torch.zeros_like(slots))
+        keys = k_cache[slots].transpose(1, 2)  # [seqs, kv heads, width, dim]
+        values = v_cache[slots].transpose(1, 2)
+        queries = query[token].transpose(1, 2)  # [seqs, heads, longest, dim]
+        if keys.dtype != queries.dtype:
+            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        position = extend_prefix_lens.to(torch.long)[:, None] + rows[None, :]  # each query token's position
+        # causal within the sequence's own cache; every row sees key 0, so no row is fully masked
+        mask = (columns[None, None, :] <= position[:, :, None]) & (columns[None, None, :] < lengths[:, None, None])
+        out = torch.nn.functional.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=enable_gqa
+        )
+        output[token[asked]] = out.transpose(1, 2)[asked]
+        return output
+
+    run.megatron_rl_original = original  # type: ignore[attr-defined]
+    return run
+
+
 def _patch_torch_native(module: types.ModuleType) -> None:
     backend = module.TorchNativeAttnBackend
     if not hasattr(backend._run_sdpa_forward_decode, "megatron_rl_original"):
         backend._run_sdpa_forward_decode = batched_decode(backend._run_sdpa_forward_decode)
+    if not hasattr(backend._run_sdpa_forward_extend, "megatron_rl_original"):
+        backend._run_sdpa_forward_extend = batched_extend(backend._run_sdpa_forward_extend)
 
 
 class _PatchAfterLoad(importlib.abc.Loader):
