@@ -11,6 +11,10 @@ batch and validation set; only the loop differs:
 - synchronous (`rollout.mode=ppo_off_policy rollout.k=1`): generate one batch with frozen weights, train on
   it, sync, repeat; the engine has nothing to do while the trainer steps.
 
+`--loops default` runs the recipe as shipped (PipelineRL-2), e.g. for the default run's steps per minute,
+median step, generated tokens per second (training completions only: their tokens over the steps without a
+validation) and time to a target pass rate.
+
 Intermediate checkpoints are off (`checkpoint.every_steps` = the step count; the last step still saves) and
 wandb is disabled: the benchmark reads each run's metrics JSONL. The warm-started policy is built (or taken
 from the cache) first, outside the timed runs, and both runs start from one private copy of it
@@ -31,6 +35,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -44,6 +49,7 @@ from megatron_rl.metrics import read_metrics
 
 RECIPE = "scalerl-cpu"
 LOOPS: dict[str, list[str]] = {
+    "default": [],  # the recipe as shipped (scalerl-cpu: PipelineRL-2)
     "PipelineRL-8": ["rollout.mode=pipeline", "rollout.k=8"],
     "synchronous": ["rollout.mode=ppo_off_policy", "rollout.k=1"],
     # the staleness rule where it binds: k = 2 keeps at most two batches in flight
@@ -145,6 +151,13 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
     busy = last["rollout/generator_busy_s"] - first["rollout/generator_busy_s"]
     step_times = [r["time/step_s"] for r in train_rows]
     no_eval = [r["time/step_s"] for r in train_rows if r.get("val/pass_rate") is None]
+    # tokens the engine generated for training (validation's are not in the rows); per completion: its length
+    group = int(config["rollout"]["generations_per_prompt"])
+    generated = [
+        r["train/sampled_groups"] * group * r["train/response_length"]
+        for r in train_rows
+        if r.get("val/pass_rate") is None
+    ]
     staleness = [r["train/staleness_mean"] for r in train_rows]
     return {
         "steps": last["step"],
@@ -154,6 +167,8 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
         "steps_per_min": len(train_rows) / wall_s(last) * 60.0,
         "step_s_mean": sum(step_times) / len(step_times),
         "step_s_mean_no_eval": sum(no_eval) / max(len(no_eval), 1),
+        "step_s_median_no_eval": statistics.median(no_eval) if no_eval else float("nan"),
+        "generated_tokens_per_s": sum(generated) / max(sum(no_eval), 1e-9),
         "generator_idle_share": 1.0 - busy / (span_s * n_engines),
         "generator_idle_share_cumulative": last["rollout/generator_idle_share"],
         "staleness_mean": sum(staleness) / len(staleness),
@@ -216,6 +231,8 @@ def main() -> None:
         ("loop s", lambda r: f"{r['loop_s']:.0f}"),
         ("steps/min", lambda r: f"{r['steps_per_min']:.2f}"),
         ("mean step s (w/o eval)", lambda r: f"{r['step_s_mean']:.2f} ({r['step_s_mean_no_eval']:.2f})"),
+        ("median step s w/o eval", lambda r: f"{r['step_s_median_no_eval']:.2f}"),
+        ("generated tokens/s", lambda r: f"{r['generated_tokens_per_s']:.0f}"),
         ("generator idle", lambda r: f"{r['generator_idle_share']:.1%}"),
         (
             "val start -> end",
