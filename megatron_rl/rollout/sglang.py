@@ -285,6 +285,13 @@ class SGLangClient:
     `timeout_s` bounds every request (generation included); a connection that cannot be established is
     retried `connect_retries` times with a growing pause, then raises EngineUnavailableError.
     `outstanding` counts this client's in-flight generate calls (the balancer reads it).
+
+    Generate calls made in the same turn of the event loop (the G completions of a group, a validation's
+    prompts) go out as one batched `/generate` request of up to `batch_max` items: SGLang schedules each item
+    as its own request, and the HTTP and JSON work is paid once per batch instead of once per completion (at
+    a small model's speed that work, ~1 ms of CPU per request on each side, was a fifth of the loop's CPU).
+    Each call still gets its own answer, parsed and checked on its own; a failed batch fails each of its calls,
+    which the balancer retries one by one.
     """
 
     def __init__(
@@ -295,14 +302,18 @@ class SGLangClient:
         connect_retries: int = 2,
         retry_backoff_s: float = 0.5,
         tp: int = 1,
+        batch_max: int = 64,
     ) -> None:
         self.url = url.rstrip("/")
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.connect_retries, self.retry_backoff_s = connect_retries, retry_backoff_s
         self.tp = tp
+        self.batch_max = batch_max
         self.outstanding = 0
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._queued: list[tuple[list[int], dict[str, Any], asyncio.Future[Any]]] = []
+        self._batches: set[asyncio.Task[None]] = set()
 
     def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
@@ -403,13 +414,56 @@ class SGLangClient:
             "no_stop_trim": True,
             **(extra_params or {}),
         }
-        payload = {"input_ids": list(input_ids), "sampling_params": params, "return_logprob": True}
         self.outstanding += 1
         try:
-            out = await self.post("/generate", payload)
+            future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._queued.append((list(input_ids), params, future))
+            if len(self._queued) == 1:  # the first of this turn: send once the turn's other calls are queued
+                asyncio.get_running_loop().call_soon(self._send_queued)
+            out = await future
         finally:
             self.outstanding -= 1
         return self._segment(out)
+
+    def _send_queued(self) -> None:
+        queued, self._queued = self._queued, []
+        for start in range(0, len(queued), self.batch_max):
+            task = asyncio.ensure_future(self._generate_batch(queued[start : start + self.batch_max]))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+
+    async def _generate_batch(self, batch: list[tuple[list[int], dict[str, Any], asyncio.Future[Any]]]) -> None:
+        """One `/generate` for the calls in `batch` (a plain request for one); each future gets its answer."""
+        batch = [item for item in batch if not item[2].done()]  # calls cancelled while queued
+        if not batch:
+            return
+        try:
+            if len(batch) == 1:
+                ids, params, _ = batch[0]
+                answers = [
+                    await self.post("/generate", {"input_ids": ids, "sampling_params": params, "return_logprob": True})
+                ]
+            else:
+                payload = {
+                    "input_ids": [ids for ids, _, _ in batch],
+                    "sampling_params": [params for _, params, _ in batch],
+                    "return_logprob": True,
+                }
+                answers = await self.post("/generate", payload)
+                if not isinstance(answers, list) or len(answers) != len(batch):
+                    raise self._malformed(f"a batch of {len(batch)} answered with {type(answers).__name__}", answers)
+        except Exception as exc:  # every waiting call gets the failure (the balancer retries each)
+            for _, _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        except BaseException:  # cancelled (close()): so are the calls waiting on it
+            for _, _, future in batch:
+                future.cancel()
+            raise
+        for (_, _, future), answer in zip(batch, answers, strict=True):
+            if not future.done():
+                future.set_result(answer)
 
     def _segment(self, out: Any) -> Segment:
         """SGLang's /generate answer as a Segment.
@@ -561,6 +615,9 @@ class SGLangClient:
         await self._post_checked("/update_weights_from_distributed", payload)
 
     async def close(self) -> None:
+        for task in list(self._batches):
+            task.cancel()
+        await asyncio.gather(*self._batches, return_exceptions=True)
         if self._session is not None and not self._session.closed:
             with contextlib.suppress(RuntimeError):  # its loop may be gone already
                 await self._session.close()
