@@ -292,6 +292,9 @@ class SGLangClient:
     a small model's speed that work, ~1 ms of CPU per request on each side, was a fifth of the loop's CPU).
     Each call still gets its own answer, parsed and checked on its own; a failed batch fails each of its calls,
     which the balancer retries one by one.
+    The same code runs on GPU nodes, where SGLang's HTTP server takes batches the same way. The price there is
+    latency: a batch answers when its slowest item ends, so a completion whose thinking budget ran out early
+    starts its answer request when the last of its batch does (the engine keeps decoding the others meanwhile).
     """
 
     def __init__(

@@ -93,6 +93,22 @@ class TorchvisionRegistrationGuard(importlib.abc.MetaPathFinder):
 TORCH_NATIVE = "sglang.srt.layers.attention.torch_native_backend"
 
 
+def _gather_cache(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, dtype):  # type: ignore[no-untyped-def]
+    """Every sequence's cached keys and values padded to the longest: ([seqs, kv heads, width, dim] x 2, and
+    the [seqs, width] mask of the positions each sequence really has)."""
+    import torch
+
+    lengths = seq_lens.to(torch.long)
+    width = int(lengths.max())
+    valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]
+    slots = req_to_token[req_pool_indices.to(torch.long), :width].to(torch.long)
+    slots = torch.where(valid, slots, torch.zeros_like(slots))  # past a sequence's end: any slot, masked
+    keys, values = k_cache[slots].transpose(1, 2), v_cache[slots].transpose(1, 2)
+    if keys.dtype != dtype:
+        keys, values = keys.to(dtype), values.to(dtype)
+    return keys, values, valid
+
+
 def batched_decode(original):  # type: ignore[no-untyped-def]
     """`_run_sdpa_forward_decode` with one SDPA call over all sequences of a plain decode batch."""
 
@@ -121,16 +137,8 @@ def batched_decode(original):  # type: ignore[no-untyped-def]
             )  # fmt: skip
         import torch
 
-        lengths = seq_lens.to(torch.long)
-        width = int(lengths.max())
-        valid = torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]  # [seqs, width]
-        slots = req_to_token[req_pool_indices.to(torch.long), :width].to(torch.long)
-        slots = torch.where(valid, slots, torch.zeros_like(slots))  # past a sequence's end: any slot, masked
-        keys = k_cache[slots].transpose(1, 2)  # [seqs, kv heads, width, dim]
-        values = v_cache[slots].transpose(1, 2)
         queries = query.unsqueeze(2)  # [seqs, heads, 1, dim]: one query token per sequence
-        if keys.dtype != queries.dtype:
-            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        keys, values, valid = _gather_cache(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, queries.dtype)
         out = torch.nn.functional.scaled_dot_product_attention(
             queries, keys, values, attn_mask=valid[:, None, None, :], scale=scaling, enable_gqa=enable_gqa
         )
@@ -187,18 +195,12 @@ def batched_extend(original):  # type: ignore[no-untyped-def]
         starts = torch.cumsum(extend, 0) - extend
         asked = rows[None, :] < extend[:, None]  # [seqs, longest]: real query tokens
         token = torch.where(asked, starts[:, None] + rows[None, :], torch.zeros_like(asked, dtype=torch.long))
-        columns = torch.arange(width, device=device)
-        lengths = seq_lens.to(torch.long)
-        slots = req_to_token[req_pool_indices.to(torch.long), :width].to(torch.long)
-        slots = torch.where(columns[None, :] < lengths[:, None], slots, torch.zeros_like(slots))
-        keys = k_cache[slots].transpose(1, 2)  # [seqs, kv heads, width, dim]
-        values = v_cache[slots].transpose(1, 2)
         queries = query[token].transpose(1, 2)  # [seqs, heads, longest, dim]
-        if keys.dtype != queries.dtype:
-            keys, values = keys.to(queries.dtype), values.to(queries.dtype)
+        keys, values, valid = _gather_cache(k_cache, v_cache, req_to_token, req_pool_indices, seq_lens, queries.dtype)
         position = extend_prefix_lens.to(torch.long)[:, None] + rows[None, :]  # each query token's position
         # causal within the sequence's own cache; every row sees key 0, so no row is fully masked
-        mask = (columns[None, None, :] <= position[:, :, None]) & (columns[None, None, :] < lengths[:, None, None])
+        columns = torch.arange(width, device=device)
+        mask = (columns[None, None, :] <= position[:, :, None]) & valid[:, None, :]
         out = torch.nn.functional.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask[:, None], scale=scaling, enable_gqa=enable_gqa
         )
