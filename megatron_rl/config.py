@@ -458,7 +458,12 @@ class SamplingConfig:
 
 @dataclass
 class EngineConfig:
-    """SGLang generator servers."""
+    """SGLang generator servers.
+
+    Several engines are balanced by the client (`rollout.sglang.EngineBalancer`: least outstanding requests,
+    retry on another engine), not by SGLang's router: weight pushes, pause/continue for in-flight updates,
+    restarts and failure counts are per engine, so the orchestrator addresses each engine directly anyway.
+    """
 
     kind: Literal["sglang"] = "sglang"
     num_engines: int = 1
@@ -469,8 +474,6 @@ class EngineConfig:
     mem_fraction: float = 0.85
     dtype: Literal["bfloat16", "float32", "auto"] = "bfloat16"
     device: Literal["cuda", "cpu"] = "cuda"
-    router: bool = True
-    """Put SGLang's router in front of several engines; false = client-side round robin."""
     extra_args: list[str] = field(default_factory=list)
     """Extra `sglang.launch_server` flags, passed through verbatim."""
 
