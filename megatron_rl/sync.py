@@ -30,8 +30,10 @@ had not answered when the deadline passed.
 Nothing waits longer than `timeout_s` (`rollout.sync_timeout_s`) on a dead or hung engine, whatever the
 backend. A dead one fails the update within seconds (refused HTTP calls; gloo's "connection closed by
 peer"). A hung one (stopped, wedged in a kernel) answers nothing: every HTTP call has its own deadline, and
-the broadcast is issued asynchronously and polled (`Work.is_completed`) against the same deadline, also
-ending early when an engine refuses the bucket. This matters on NCCL, where a collective with a dead or
+the broadcast is issued asynchronously, from a thread of its own, and polled (`Work.is_completed`) against
+the same deadline, also ending early when an engine refuses the bucket. The thread is for NCCL, where the
+first collective of a group creates its communicator and the issuing call itself blocks until every engine
+has joined (a thread stuck there, behind a hung engine, is left behind like gloo's below). This matters on NCCL, where a collective with a dead or
 hung peer never completes on its own: the group is created with a timeout of 2 x `timeout_s`, so our
 deadline always passes first, and the broken communicator is then aborted (`_abort_process_group`, torch's
 API for a communicator with an operation in flight; `destroy_process_group` would block on it) before
@@ -141,6 +143,29 @@ def flatten_bucket(bucket: list[tuple[str, torch.Tensor]]) -> tuple[list[tuple[s
     ordered = sorted(bucket, key=lambda item: -item[1].element_size())  # stable: keeps order within a dtype
     flat = torch.cat([t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in ordered])
     return ordered, flat
+
+
+def _issue_broadcast(flat: torch.Tensor, group: Any) -> Future[Any]:
+    """`dist.broadcast(flat, src=0, async_op=True)` issued on a thread of its own; the future holds its Work.
+
+    The issuing call itself can block: NCCL creates a group's communicator at its first collective, and
+    SGLang's side of the group is created lazily too (`init_custom_process_group` without a device id), so
+    the first broadcast waits in `ncclCommInitRank` until every engine has joined it, which a hung engine
+    never does. Issued here, the caller's deadline holds through it. The thread is a daemon (a thread pool's
+    would be joined at exit), and issues on the stream that produced `flat`, so ordering is the caller's.
+    """
+    future: Future[Any] = Future()
+    stream = torch.cuda.current_stream(flat.device) if flat.is_cuda else None
+
+    def issue() -> None:
+        try:
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                future.set_result(dist.broadcast(flat, src=0, group=group, async_op=True))
+        except BaseException as exc:  # handed to the caller, which marks the group broken
+            future.set_exception(exc)
+
+    threading.Thread(target=issue, name="weight-sync-broadcast", daemon=True).start()
+    return future
 
 
 def _dtype_name(tensor: torch.Tensor) -> str:
@@ -353,8 +378,8 @@ class WeightSender:
             version=version,
             flattened=True,
         )
-        work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
-        while not work.is_completed():
+        issued = _issue_broadcast(flat, self.group)
+        while not (issued.done() and (issued.exception() is not None or issued.result().is_completed())):
             refused = any(f.done() and f.exception() is not None for f in received)
             if refused or time.monotonic() > deadline:
                 # An engine refused the bucket (it will never join this collective) or did not take it in
@@ -366,7 +391,7 @@ class WeightSender:
                 )
             time.sleep(0.002)
         try:
-            work.wait()  # raises the collective's own error (gloo: a peer closed the connection)
+            issued.result().wait()  # raises the collective's own error (gloo: a peer closed the connection)
         except Exception:
             self.broken = True
             self._wait_each(received, "update_weights_from_distributed", deadline)

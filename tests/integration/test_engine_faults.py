@@ -22,9 +22,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -270,7 +272,8 @@ def test_a_hung_engine_fails_the_push_within_the_sync_timeout_and_is_named(tmp_p
     """A stopped engine (SIGSTOP: alive, answering nothing) while buckets are being sent: the push fails within
     `sync_timeout_s`, naming the engine, instead of blocking in the broadcast (on NCCL: until the watchdog tears
     the trainer down). Once the engine is killed, closing the broken group returns at once; the restarted engine
-    joins a new group and takes the next update."""
+    joins a new group and takes the next update. The same deadline holds when the broadcast's issuing call
+    itself blocks (NCCL creating a group's communicator at its first collective, injected here)."""
     import asyncio
 
     from safetensors.torch import load_file
@@ -329,6 +332,30 @@ def test_a_hung_engine_fails_the_push_within_the_sync_timeout_and_is_named(tmp_p
         senders[1].connect()
         senders[1].send(make_buckets(new.items(), bucket_bytes=1 << 20), version=3)
         assert asyncio.run(version()) == 3
+
+        # On NCCL the first broadcast of a group creates the communicator and its issuing call blocks until
+        # every engine has joined; with the engine hung it never returns. The injected broadcast does that
+        # (for 4 x the deadline, then fails): the push must still fail at the deadline, naming the engine.
+        released = threading.Event()
+
+        def blocking_first_broadcast(*args, **kwargs):
+            os.killpg(server.pid, signal.SIGSTOP)
+            released.wait(4 * timeout)
+            raise RuntimeError("communicator creation aborted")
+
+        senders[1].close()
+        senders.append(WeightSender([server.url], "127.0.0.1", free_port(), rollout))
+        senders[2].connect()
+        started = time.monotonic()
+        with mock.patch("torch.distributed.broadcast", blocking_first_broadcast), pytest.raises(SyncError) as failure:
+            senders[2].send(make_buckets(new.items(), bucket_bytes=1 << 20), version=4)
+        failed_after = time.monotonic() - started
+        assert failure.value.engines == [0] and "no answer within" in str(failure.value)
+        assert timeout - 1 < failed_after < timeout + 4, failed_after
+        os.killpg(server.pid, signal.SIGKILL)
+        server.process.wait()
+        released.set()
+        senders[2].close()
     finally:
         for sender in senders:
             sender.close()
