@@ -31,10 +31,10 @@ Nothing waits longer than `timeout_s` (`rollout.sync_timeout_s`) on a dead or hu
 backend. A dead one fails the update within seconds (refused HTTP calls; gloo's "connection closed by
 peer"). A hung one (stopped, wedged in a kernel) answers nothing: every HTTP call has its own deadline, and
 the broadcast is issued asynchronously, from a thread of its own, and polled (`Work.is_completed`) against
-the same deadline, also ending early when an engine refuses the bucket. The thread is for NCCL, where the
-first collective of a group creates its communicator and the issuing call itself blocks until every engine
-has joined (a thread stuck there, behind a hung engine, is left behind like gloo's below). This matters on NCCL, where a collective with a dead or
-hung peer never completes on its own: the group is created with a timeout of 2 x `timeout_s`, so our
+the same deadline, also ending early when an engine refuses the bucket. Both matter on NCCL. There the
+first collective of a group creates its communicator, and the issuing call itself blocks until every engine
+has joined (a thread stuck there behind a hung engine is left behind, like gloo's below). And a collective
+with a dead or hung peer never completes on its own: the group is created with a timeout of 2 x `timeout_s`, so our
 deadline always passes first, and the broken communicator is then aborted (`_abort_process_group`, torch's
 API for a communicator with an operation in flight; `destroy_process_group` would block on it) before
 NCCL's watchdog reaches the group's timeout and, under the default TORCH_NCCL_ASYNC_ERROR_HANDLING, tears
