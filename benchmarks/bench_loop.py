@@ -52,6 +52,8 @@ LOOPS: dict[str, list[str]] = {
     "default": [],  # the recipe as shipped (scalerl-cpu: PipelineRL-2)
     "PipelineRL-8": ["rollout.mode=pipeline", "rollout.k=8"],
     "synchronous": ["rollout.mode=ppo_off_policy", "rollout.k=1"],
+    # in flight but at most one version stale: what fresher batches buy per step against steps per minute
+    "PipelineRL-1": ["rollout.mode=pipeline", "rollout.k=1"],
     # the staleness rule where it binds: k = 2 keeps at most two batches in flight
     "PipelineRL-2-wait": ["rollout.mode=pipeline", "rollout.k=2", "rollout.staleness=wait"],
     "PipelineRL-2-drop": ["rollout.mode=pipeline", "rollout.k=2", "rollout.staleness=drop"],
