@@ -3,7 +3,8 @@
     OMP_NUM_THREADS=1 python benchmarks/bench_engine.py [--prompts 256] [--variants default skip-tokenizer-init]
 
 One `SGLangServer` serving the warmed-up `cpu_demo` policy of the default run (`scalerl-cpu`), fed by the
-project's own client (`SGLangClient.generate`, one HTTP request per completion, as the loop sends them):
+project's own client (`SGLangClient.generate`, called once per completion as the loop calls it: the calls made
+in one turn of the event loop go out as batched `/generate` requests of up to 64):
 prompts from the run's training split, encoded as the run encodes them, `generations_per_prompt` samples
 each at temperature 1, up to `--tokens` new tokens (ignore_eos, so every variant generates the same count),
 with `--concurrency` requests outstanding (the loop keeps about two batches of groups in flight: 2 x 16 x 8).
