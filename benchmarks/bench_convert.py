@@ -55,8 +55,8 @@ def write_random_hf(cfg: ModelConfig, out: Path, seed: int) -> dict[str, tuple[l
     import torch
     from transformers import AutoConfig
 
-    from megatron_rl.convert import canonical_shapes, family, hf_plan
     from megatron_rl.convert.hf_files import ShardedWriter
+    from megatron_rl.models import canonical_shapes, family, hf_plan
 
     kwargs = family(cfg).hf_config(cfg)
     AutoConfig.for_model(kwargs.pop("model_type"), **kwargs, dtype="bfloat16").save_pretrained(out)

@@ -32,9 +32,10 @@ import psutil
 
 from megatron_rl.config import load_config
 from megatron_rl.data.datasets import load_splits
-from megatron_rl.orchestration.train import prepare_policy
+from megatron_rl.generator.client import SGLangClient
+from megatron_rl.generator.server import SGLangServer
+from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rollout.pipeline import PromptEncoder
-from megatron_rl.rollout.sglang import SGLangClient, SGLangServer
 
 VARIANTS: dict[str, list[str]] = {"default": [], "skip-tokenizer-init": ["--skip-tokenizer-init"]}
 

@@ -30,9 +30,9 @@ import uuid
 from pathlib import Path
 
 from megatron_rl.config import EngineConfig, ModelConfig, build, load_config, load_model_dict
-from megatron_rl.data.tiny import build_tiny_model
-from megatron_rl.rollout.sglang import SGLangServer, free_port
-from megatron_rl.sync import SyncError, WeightSender, make_buckets
+from megatron_rl.generator.server import SGLangServer, free_port
+from megatron_rl.generator.weight_sync import SyncError, WeightSender, make_buckets
+from megatron_rl.models.tiny import build_tiny_model
 
 
 def _weights(model_dir: Path) -> dict:

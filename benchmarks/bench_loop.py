@@ -82,7 +82,7 @@ def freeze_policy(overrides: list[str], output_dir: Path) -> Path:
     this copy (`model.hf_path`), so neither pays for the warm-up and another job rewriting the shared
     cache meanwhile cannot give them different starting weights."""
     from megatron_rl.data.datasets import load_splits
-    from megatron_rl.orchestration.train import prepare_policy
+    from megatron_rl.orchestration.warmstart import prepare_policy
 
     run = load_config(RECIPE, None, overrides)
     cached = prepare_policy(run, load_splits(run.data))

@@ -29,7 +29,7 @@ import torch
 
 from megatron_rl.config import load_config
 from megatron_rl.data.datasets import Prompt, load_splits
-from megatron_rl.orchestration.train import prepare_policy
+from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rewards import score
 from megatron_rl.rollout.pipeline import PromptEncoder
 

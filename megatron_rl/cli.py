@@ -91,45 +91,23 @@ def check_allocation(config: Any, allocation: str) -> None:
             f"--allocation {allocation}: {per_node} GPUs per node; this GPU run needs at least 1 (Slurm: "
             "sbatch --gpus-per-node=N sets SLURM_GPUS_ON_NODE; slurm/bootstrap.sh also reads GPUS_PER_NODE)"
         )
-    trainer = parallel.trainer_devices if config.compute.device_kind == "gpu" else 0
-    engines = engine.num_engines if engine.device == "cuda" else 0
-    generators = engines * engine.tp
-    total = nodes * per_node
-    problems = []
-    if trainer + generators > total:
-        problems.append(
-            f"needs {trainer} trainer + {generators} generator GPUs = {trainer + generators}, "
-            f"allocation has {nodes} x {per_node} = {total}"
-        )
-    if engines and per_node % engine.tp:
-        problems.append(
-            f"rollout.engine.tp={engine.tp} must divide the {per_node} GPUs of a node (an engine in one node)"
-        )
-    if trainer and per_node % parallel.tp:
-        problems.append(f"parallel.tp={parallel.tp} must divide the {per_node} GPUs of a node (a TP group in one node)")
-    if trainer > per_node and trainer % per_node:
-        problems.append(f"parallel.trainer_devices={trainer} must fill whole nodes of {per_node} GPUs")
-    if problems:
-        raise ConfigError("allocation: " + "; ".join(problems))
-    trainer_nodes = -(-trainer // per_node)
-    in_trainer_nodes = min(engines, (trainer_nodes * per_node - trainer) // engine.tp)
-    engine_nodes = -(-(engines - in_trainer_nodes) // (per_node // engine.tp))
-    needed = trainer_nodes + engine_nodes
-    if needed > nodes:
-        raise ConfigError(
-            f"allocation: the trainer's {trainer_nodes} node(s) and the engines' {engine_nodes} need {needed} nodes "
-            f"of {per_node} GPUs, the allocation has {nodes}"
-        )
-    if needed < nodes:
+    from megatron_rl.orchestration.placement import node_plan
+
+    try:
+        plan = node_plan(config, nodes, per_node, where="the allocation")
+    except ValueError as exc:
+        raise ConfigError(f"allocation: {exc}") from None
+    trainer, generators, total = plan.trainer_gpus, plan.generator_gpus, nodes * per_node
+    if plan.nodes < nodes:
         raise ConfigError(
             f"allocation: {nodes} x {per_node} = {total} GPUs is larger than the run needs: {trainer} trainer + "
-            f"{generators} generator GPUs fit {needed} node(s) of {per_node}, so {nodes - needed} node(s) "
-            f"({(nodes - needed) * per_node} GPUs) would sit idle; allocate {needed} node(s) or give the run "
+            f"{generators} generator GPUs fit {plan.nodes} node(s) of {per_node}, so {nodes - plan.nodes} node(s) "
+            f"({(nodes - plan.nodes) * per_node} GPUs) would sit idle; allocate {plan.nodes} node(s) or give the run "
             "the GPUs (parallel.trainer_devices, rollout.engine.num_engines)"
         )
     print(
         f"allocation: {nodes} x {per_node} GPUs = {total}: {trainer} train (TP {parallel.tp} x PP {parallel.pp} "
-        f"x DP {parallel.dp}, EP {parallel.ep}) + {generators} generate ({engines} x TP {engine.tp}), "
+        f"x DP {parallel.dp}, EP {parallel.ep}) + {generators} generate ({plan.engines} x TP {engine.tp}), "
         f"{total - trainer - generators} idle"
     )
 

@@ -460,7 +460,7 @@ class SamplingConfig:
 class EngineConfig:
     """SGLang generator servers.
 
-    Several engines are balanced by the client (`rollout.sglang.EngineBalancer`: least outstanding requests,
+    Several engines are balanced by the client (`generator/balancer.py`: least outstanding requests,
     retry on another engine), not by SGLang's router: weight pushes, pause/continue for in-flight updates,
     restarts and failure counts are per engine, so the orchestrator addresses each engine directly anyway.
     """
@@ -534,6 +534,18 @@ class RolloutConfig:
     @property
     def max_completion_tokens(self) -> int:
         return self.interruption.max_thinking_tokens + self.answer_tokens
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches of `prompts_per_step` groups generating or buffered at most: k (a round of frozen weights) for
+        ppo_off_policy, min(2, k) for pipeline. A pipeline group started at version v is due at v + k, so with at
+        most min(2, k) batches in flight at most one batch of groups is ever due at once (rollout/pipeline.py)."""
+        return self.k if self.mode == "ppo_off_policy" else min(2, self.k)
+
+    @property
+    def groups_in_flight(self) -> int:
+        """The pipeline's capacity: groups generating or buffered at most (the engines' peak load, plan.py)."""
+        return self.batches_in_flight * self.prompts_per_step
 
 
 # --------------------------------------------------------------------------------------------------

@@ -337,11 +337,10 @@ class EngineMemory:
 def in_flight_sequences(run: RunConfig) -> int:
     """Sequences in flight on one engine at the pipeline's peak (rollout/pipeline.py: the producer starts a
     group only while fewer than its capacity are generating or waiting for the trainer): groups of
-    generations_per_prompt, at most k x prompts_per_step for ppo_off_policy (a round) and min(2, k) x
-    prompts_per_step for pipeline; the balancer spreads them over the engines, the busiest gets the ceiling."""
+    generations_per_prompt, `rollout.groups_in_flight` of them (config.py); the balancer spreads them over the
+    engines, the busiest gets the ceiling."""
     r = run.rollout
-    groups = r.k * r.prompts_per_step if r.mode == "ppo_off_policy" else min(2, r.k) * r.prompts_per_step
-    return -(-groups * r.generations_per_prompt // r.engine.num_engines)
+    return -(-r.groups_in_flight * r.generations_per_prompt // r.engine.num_engines)
 
 
 @dataclass
@@ -404,7 +403,7 @@ def kv_warnings(run: RunConfig, engine: EngineMemory) -> list[str]:
     return [
         f"engine: the KV pool holds {engine.pool_sequences} of the {engine.in_flight} sequences in flight per "
         f"engine at {engine.longest} tokens each ({r.mode}, k={r.k}: "
-        f"{r.k if r.mode == 'ppo_off_policy' else min(2, r.k)} x {r.prompts_per_step} prompts x "
+        f"{r.batches_in_flight} x {r.prompts_per_step} prompts x "
         f"{r.generations_per_prompt} generations over {r.engine.num_engines} engines); SGLang queues the rest. "
         "More room: rollout.engine.mem_fraction, rollout.engine.tp or rollout.engine.num_engines"
     ]

@@ -24,7 +24,7 @@
 #    (b) sgl_kernel: a placeholder for SGLang's kernel package, which has no CPU wheel (the CPU build
 #        needs Intel AMX sources). SGLang imports some of its names at start-up; on the torch-native path
 #        (`--device cpu --attention-backend torch_native`, with SGLANG_USE_CPU_ENGINE=1, both set by
-#        megatron_rl/rollout/sglang.py) none is called. Each name raises KernelUnavailable if called.
+#        megatron_rl/generator/server.py) none is called. Each name raises KernelUnavailable if called.
 # The last step checks that `python -m sglang.launch_server --help` works.
 set -euo pipefail
 cd "$(dirname "$0")/.."

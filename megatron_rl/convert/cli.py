@@ -50,7 +50,7 @@ def _model_config(args: argparse.Namespace) -> ModelConfig | None:
     if args.model:
         data = load_model_dict(args.model)
     elif args.from_hf:
-        from megatron_rl.convert import model_config_from_hf
+        from megatron_rl.models import model_config_from_hf
 
         data = dataclasses.asdict(model_config_from_hf(args.from_hf))
     elif args.overrides:

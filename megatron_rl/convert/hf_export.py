@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 
 from megatron_rl.config import ConfigError, ModelConfig, ParallelConfig, TrainerConfig, build
-from megatron_rl.convert import FAMILIES, HFMapper, family, family_of, hf_configs, hf_plan, read_hf_config
 from megatron_rl.convert.checkpoint_reader import CheckpointReader, Region
 from megatron_rl.convert.hf_files import ShardedWriter, copy_side_files, parse_size
 from megatron_rl.convert.runtime import megatron_process
+from megatron_rl.models import FAMILIES, HFMapper, family, family_of, hf_configs, hf_plan, read_hf_config
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

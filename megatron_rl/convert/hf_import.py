@@ -25,7 +25,9 @@ from typing import Any
 import torch
 
 from megatron_rl.config import ModelConfig, ParallelConfig, TrainerConfig
-from megatron_rl.convert import (
+from megatron_rl.convert.hf_files import HFReader
+from megatron_rl.convert.runtime import megatron_process, spawn
+from megatron_rl.models import (
     FAMILIES,
     family,
     family_of,
@@ -35,8 +37,6 @@ from megatron_rl.convert import (
     model_config_from_hf,
     read_hf_config,
 )
-from megatron_rl.convert.hf_files import HFReader
-from megatron_rl.convert.runtime import megatron_process, spawn
 
 ALWAYS_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 """Buffers some older checkpoints saved; not weights."""

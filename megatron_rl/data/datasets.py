@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import DataConfig, DatasetConfig
+from megatron_rl.data.code_tests import normalise_tests
 from megatron_rl.data.synthetic import SYNTHETIC_TASKS
 
 
@@ -85,8 +86,6 @@ def parse_row(row: Any, task: str, source: str, index: int) -> Prompt:
                 tests = json.loads(tests)
             except json.JSONDecodeError as exc:
                 raise DatasetError(f"{where}: field 'tests' is a string but not JSON: {exc}") from None
-        from megatron_rl.rewards.code import normalise_tests  # here: rewards imports this module
-
         try:
             values["tests"] = normalise_tests(tests)
         except ValueError as exc:

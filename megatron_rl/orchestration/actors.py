@@ -67,7 +67,7 @@ class TrainerWorker(Placed):
     def init_weight_sync(self, engine_urls: list[str], master_addr: str, master_port: int) -> None:
         """Rank 0 joins a weight-update group with the engines (gloo on CPU, NCCL on GPUs)."""
         if self.rank == 0:
-            from megatron_rl.sync import WeightSender
+            from megatron_rl.generator.weight_sync import WeightSender
 
             self.sender = WeightSender(engine_urls, master_addr, master_port, self.run.rollout)
             self.sender.connect()

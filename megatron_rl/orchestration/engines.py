@@ -11,8 +11,8 @@ A killed engine costs time, not the run:
   (`rollout/engine_restarts`); then the request is retried, on another engine when there is one
   (`rollout/engine_failures`, `rollout/engine_retries`).
 - A weight push that fails (a dead peer fails it within seconds: refused HTTP calls, gloo's "connection
-  closed by peer"; a hung one after `rollout.sync_timeout_s`, see sync.py) restarts the dead engines and
-  the ones the failure names (a hung engine is alive but answers nothing: it is killed first, which also
+  closed by peer"; a hung one after `rollout.sync_timeout_s`, see generator/weight_sync.py) restarts the dead
+  engines and the ones the failure names (a hung engine is alive but answers nothing: it is killed first, which also
   ends the trainer's pending send to it), re-forms the group and pushes once more
   (`rollout/sync_failures`); a second failure ends the run with a SyncError.
 
@@ -33,23 +33,25 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import RunConfig
+from megatron_rl.generator.balancer import EngineBalancer
+from megatron_rl.generator.client import SGLangClient
+from megatron_rl.generator.server import SGLangServer
+from megatron_rl.generator.weight_sync import SyncError
 from megatron_rl.orchestration.placement import Placed, describe, engine_placement, locations, spawn
-from megatron_rl.rollout.sglang import EngineBalancer, SGLangClient, SGLangServer
-from megatron_rl.sync import SyncError
 
 
 class EngineHost(Placed):
     """One SGLang server inside a Ray actor (so Ray decides which node and GPUs it gets)."""
 
-    def setup(self, model_path: str, engine: dict[str, Any], log_path: str, max_total_tokens: int | None) -> None:
+    def setup(self, model_path: str, engine: dict[str, Any], log_path: str) -> None:
         import ray
 
         from megatron_rl.config import EngineConfig, build
 
         host = ray.util.get_node_ip_address()
-        self.server = SGLangServer(
-            Path(model_path), build(EngineConfig, engine), Path(log_path), host=host, max_total_tokens=max_total_tokens
-        )
+        # The KV pool: SGLang sizes it from the memory fraction on GPUs; on CPU the server's own default
+        # (generator/server.py, CPU_DEFAULT_MAX_TOTAL_TOKENS) caps it in tokens.
+        self.server = SGLangServer(Path(model_path), build(EngineConfig, engine), Path(log_path), host=host)
 
     async def start(self) -> str:
         self.server.start()
@@ -81,16 +83,10 @@ class EngineGroup:
 
         self.run = run
         engine = run.rollout.engine
-        max_total = 32768 if engine.device == "cpu" else None  # CPU: size the KV pool in tokens (no memory fraction)
         self.placement = engine_placement(run)
         self.hosts = spawn(EngineHost, self.placement)
         config, logs = dataclasses.asdict(engine), run_dir / "logs"
-        ray.get(
-            [
-                h.setup.remote(str(policy), config, str(logs / f"engine{i}.log"), max_total)
-                for i, h in enumerate(self.hosts)
-            ]
-        )
+        ray.get([h.setup.remote(str(policy), config, str(logs / f"engine{i}.log")) for i, h in enumerate(self.hosts)])
         if self.placement.groups:
             print(f"placement: engines {describe(locations(self.hosts))}", flush=True)
         self.devices = engine.num_engines * engine.tp
@@ -173,6 +169,11 @@ class EngineGroup:
         await trainers.call("close")
         await self.connect_weight_sync(trainers)
         self.resync = False
+
+    def reset_usage(self) -> None:
+        """Start the engines' busy/idle accounting now (after start-up)."""
+        if self.balancer is not None:
+            self.balancer.reset_usage()
 
     def metrics(self) -> dict[str, float]:
         metrics = self.balancer.metrics() if self.balancer else {}

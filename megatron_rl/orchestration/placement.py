@@ -111,44 +111,79 @@ def engine_placement(run: RunConfig, timeout_s: float = READY_TIMEOUT_S) -> Plac
     return Placement([_in_bundle(group, 0, gpus=engine.tp) for group in groups], groups)
 
 
-def check_cluster(run: RunConfig, node_gpus: Sequence[int]) -> int:
-    """Whether the run's trainer and engines fit nodes with these GPU counts; returns GPUs per node.
+@dataclass(frozen=True)
+class NodePlan:
+    """How the run's GPUs fall on nodes of `per_node` GPUs, as the placement above packs them."""
 
-    Raises ValueError naming what is missing. Nodes without GPUs are left out; the others must be alike."""
-    gpu_nodes = [n for n in node_gpus if n > 0]
+    per_node: int
+    trainer_gpus: int
+    engines: int
+    engine_tp: int
+    trainer_nodes: int
+    """Nodes the trainer's ranks fill in rank order (the last one possibly in part)."""
+    engine_nodes: int
+    """Further nodes for the engines that do not fit what the trainer's last node leaves."""
+
+    @property
+    def generator_gpus(self) -> int:
+        return self.engines * self.engine_tp
+
+    @property
+    def nodes(self) -> int:
+        return self.trainer_nodes + self.engine_nodes
+
+
+def node_plan(run: RunConfig, nodes: int, per_node: int, where: str = "the cluster") -> NodePlan:
+    """The one placement rule, for a Slurm allocation (`check --allocation`) and for a Ray cluster alike:
+    raises ValueError naming the field and the numbers when the run does not fit `nodes` x `per_node` GPUs.
+
+    A TP group and an engine each stay inside one node, so parallel.tp (when the trainer spans nodes) and
+    rollout.engine.tp must divide a node's GPUs; the trainer fills nodes in rank order, the engines take
+    what its last node leaves, then whole nodes."""
     trainer = run.parallel.trainer_devices if run.compute.device_kind == "gpu" else 0
     engine = run.rollout.engine
     engines = engine.num_engines if engine.device == "cuda" else 0
-    needed = trainer + engines * engine.tp
+    if trainer > per_node and per_node % run.parallel.tp:
+        raise ValueError(
+            f"parallel.tp={run.parallel.tp} must divide the {per_node} GPUs of a node (a TP group in one node)"
+        )
+    if engines and per_node % engine.tp:
+        raise ValueError(
+            f"rollout.engine.tp={engine.tp} must divide the {per_node} GPUs of a node (an engine in one node)"
+        )
+    generators, total = engines * engine.tp, nodes * per_node
+    if trainer + generators > total:
+        raise ValueError(
+            f"needs {trainer} trainer + {generators} generator GPUs = {trainer + generators}, "
+            f"{where} has {nodes} x {per_node} = {total}"
+        )
+    trainer_nodes = math.ceil(trainer / per_node)
+    leftover = trainer_nodes * per_node - trainer  # the trainer's last node, when it is not full
+    in_trainer_nodes = min(engines, leftover // engine.tp) if engines else 0
+    engine_nodes = math.ceil((engines - in_trainer_nodes) / (per_node // engine.tp)) if engines else 0
+    if trainer_nodes + engine_nodes > nodes:
+        room = (nodes - trainer_nodes) * (per_node // engine.tp) + leftover // engine.tp
+        raise ValueError(
+            f"the engines need {engines} x {engine.tp} GPUs, each engine inside one node "
+            f"(rollout.engine.num_engines, rollout.engine.tp); {where} has {nodes} node(s) of {per_node} GPUs, "
+            f"{trainer_nodes} of them for the trainer: room for {room} engine(s)"
+        )
+    return NodePlan(per_node, trainer, engines, engine.tp, trainer_nodes, engine_nodes)
+
+
+def check_cluster(run: RunConfig, node_gpus: Sequence[int]) -> int:
+    """Whether the run's trainer and engines fit the Ray cluster's nodes (GPU counts); returns GPUs per node.
+
+    Raises ValueError naming what is missing. Nodes without GPUs are left out; the others must be alike."""
+    gpu_nodes = [n for n in node_gpus if n > 0]
     if not gpu_nodes:
+        needed = run.parallel.trainer_devices if run.compute.device_kind == "gpu" else 0
+        if run.rollout.engine.device == "cuda":
+            needed += run.rollout.engine.num_engines * run.rollout.engine.tp
         raise ValueError(f"the run needs {needed} GPUs; the Ray cluster has none ({len(node_gpus)} node(s))")
     if len(set(gpu_nodes)) > 1:
         raise ValueError(f"the cluster's GPU nodes differ ({sorted(gpu_nodes)} GPUs); placement needs equal nodes")
-    per_node, nodes = gpu_nodes[0], len(gpu_nodes)
-    have = f"the cluster has {nodes} node(s) with {per_node} GPUs"
-    trainer_nodes = math.ceil(trainer / per_node)
-    if trainer_nodes > nodes:
-        raise ValueError(
-            f"the trainer needs {trainer} GPUs in {trainer_nodes} nodes of {per_node} (parallel.trainer_devices); "
-            + have
-        )
-    if trainer > per_node and per_node % run.parallel.tp:
-        raise ValueError(
-            f"parallel.tp={run.parallel.tp} does not divide the {per_node} GPUs of a node: "
-            "tensor-parallel groups would straddle nodes"
-        )
-    if engines and engine.tp > per_node:
-        raise ValueError(f"rollout.engine.tp={engine.tp}: an engine must fit one node; " + have)
-    if engines:
-        leftover = trainer_nodes * per_node - trainer  # the trainer's last node, when it is not full
-        room = (nodes - trainer_nodes) * (per_node // engine.tp) + leftover // engine.tp
-        if engines > room:
-            raise ValueError(
-                f"the engines need {engines} x {engine.tp} GPUs, each engine inside one node "
-                f"(rollout.engine.num_engines, rollout.engine.tp); {have}, {trainer_nodes} of them for the "
-                f"trainer: room for {room} engine(s)"
-            )
-    return per_node
+    return node_plan(run, len(gpu_nodes), gpu_nodes[0], "the Ray cluster").per_node
 
 
 def spawn(cls: type, placement: Placement) -> list[Any]:

@@ -1,74 +1,56 @@
 """The ScaleRL driver: `megatron-rl train --recipe scalerl --model llama3_8b [overrides]`.
 
-The loop (SCALERL.md §4) reads as the algorithm:
+The loop (docs/recipe.md §4, docs/run_flow.md) reads as the algorithm:
 
     every eval.every_steps:  validation mean@k on the held-out prompts (+ live scaling-curve fit)
     groups  <- pipeline.next_batch(version)      G completions per prompt, rewarded, filtered, <= k stale
     metrics <- trainers.train_step(groups)       one optimizer step on all trainer ranks; version += 1
-    push weights to the engines                  in flight (pipeline) or after k steps (ppo_off_policy)
+    push weights when the pipeline says so       in flight (pipeline) or after k steps (ppo_off_policy)
     log one row (metrics JSONL + wandb + console), checkpoint every N steps and on SIGTERM/SIGUSR1
 
-Generation never waits for the trainer in `pipeline` mode: the rollout producer runs on this event loop
-while the trainer ranks (Ray actors) train and sync. Everything the run needs to continue after a
-kill — trainer state, sampler and curriculum state, step, compute clock — is in the checkpoint; the
-prompts of groups that were buffered or in flight are drawn again first on resume (counted in
-`train/regenerated_groups`), and metrics rows logged after the checkpoint are dropped, so a run killed at
-any point (SIGKILL included) and started again with the same command trains and logs every step once.
+`setup` builds the run's parts (data, starting policy, Ray, trainer ranks, engines, weight-sync group,
+resume, pipeline, logger); `_loop` is the loop above. Generation never waits for the trainer in `pipeline`
+mode: the rollout producer runs on this event loop while the trainer ranks (Ray actors) train and sync.
+Everything the run needs to continue after a kill — trainer state, sampler and curriculum state, step,
+compute clock — is in the checkpoint; the prompts of groups that were buffered or in flight are drawn
+again first on resume (counted in `train/regenerated_groups`), and metrics rows logged after the checkpoint
+are dropped, so a run killed at any point (SIGKILL included) and started again with the same command trains
+and logs every step once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import ray
+from transformers import AutoTokenizer
+
+from megatron_rl.algo.filters import NoPositiveResampling
 from megatron_rl.config import RunConfig, save_config
 from megatron_rl.data.datasets import Splits, load_splits
+from megatron_rl.data.sampler import CurriculumSampler
+from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
+from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
+from megatron_rl.orchestration.engines import EngineGroup
+from megatron_rl.orchestration.reaper import Reaper
+from megatron_rl.orchestration.warmstart import prepare_policy
+from megatron_rl.rewards.workers import RewardWorkers
+from megatron_rl.rollout.interruption import InterruptionTokens
+from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline, validate
+from megatron_rl.scaling import live_prediction
+from megatron_rl.scaling.cli import main as fit_main
+from megatron_rl.trainer.checkpoint import latest_checkpoint
 
-POLICY_CACHE = Path.home() / ".cache" / "megatron_rl"
-
-
-def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -> Path:
-    """The Hugging Face directory RL starts from: `model.hf_path`, or a tiny model built here and warmed up
-    on the synthetic task's worked solutions (`trainer.warm_start_steps`)."""
-    from megatron_rl.data.synthetic import SOLUTIONS
-    from megatron_rl.data.tiny import build_tiny_model
-    from megatron_rl.orchestration.warmstart import WarmupTask, warm_start
-
-    if run.model.hf_path:
-        path = Path(run.model.hf_path)
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.hf_path: {path} has no config.json")
-        return path
-    base = build_tiny_model(cache / f"{run.model.name}-seed{run.seed}", run.model, seed=run.seed)
-    if run.trainer.warm_start_steps == 0:
-        return base
-    tasks = []
-    for i, dataset in enumerate(run.data.datasets):
-        name = dataset.source.removeprefix("synthetic:")
-        if not dataset.source.startswith("synthetic:") or name not in SOLUTIONS:
-            raise ValueError(
-                f"trainer.warm_start_steps: the warm-up needs synthetic tasks with worked solutions "
-                f"({sorted(SOLUTIONS)}); data.datasets[{i}].source is {dataset.source!r}"
-            )
-        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight))
-    names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
-    out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
-    slip = run.trainer.warm_start_slip
-    return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed, slip=slip)
-
-
-def _report_data(splits: Splits) -> None:
-    """One line per dataset (training prompts, malformed rows skipped) and the validation prompts per task."""
-    for key, stats in splits.stats.items():
-        line = f"data: {key}: {len(splits.train[key])} training prompts"
-        if stats.skipped:
-            line += f", {stats.skipped} of {stats.rows} rows skipped (data.bad_rows=skip); first: {stats.errors[0]}"
-        print(line, flush=True)
-    print("data: validation " + ", ".join(f"{task} {len(p)}" for task, p in splits.val.items()), flush=True)
+STARTING_MODEL = "starting_model.json"
+"""In the run directory: the HF directory RL started from (its tokenizer, config.json), for `convert --to-hf`."""
 
 
 class RunStopped(RuntimeError):
@@ -114,10 +96,6 @@ class StopFlag:
 def train(run: RunConfig) -> Path:
     """Run (or resume) a ScaleRL training run; returns the run directory. If this process is killed, even
     with SIGKILL, the processes it started are ended too (orchestration/reaper.py)."""
-    import ray
-
-    from megatron_rl.orchestration.reaper import Reaper
-
     reaper = Reaper.start()
     started_ray = not ray.is_initialized()
     try:
@@ -132,25 +110,140 @@ def train(run: RunConfig) -> Path:
                 print(f"  {line}", flush=True)
 
 
+@dataclass
+class Parts:
+    """A started run: everything the loop drives, and what it resumes from."""
+
+    run: RunConfig
+    run_dir: Path
+    splits: Splits
+    stop: StopFlag
+    trainers: TrainerGroup
+    engines: EngineGroup
+    rewards: RewardWorkers
+    sampler: CurriculumSampler
+    pipeline: RolloutPipeline
+    encoder: PromptEncoder
+    tokens: InterruptionTokens
+    clock: ComputeClock
+    logger: MetricsLogger
+    step: int
+    regenerated: int
+    """Groups that were buffered or in flight at the checkpoint resumed from (their prompts are drawn again)."""
+
+    async def validate(self) -> dict[str, float]:
+        """mean@k on the held-out prompts, per task and overall, with the live prediction of A."""
+        run, pipeline = self.run, self.pipeline
+        result = await validate(
+            self.splits.val,
+            run.eval.samples_per_prompt,
+            self.engines.generate,
+            self.encoder,
+            run.rollout,
+            self.tokens,
+            self.rewards,
+            lambda: pipeline.version,
+            seed=run.seed,
+        )
+        if run.logging.live_scaling_fit:
+            rows, hours, fit_start = (
+                read_metrics(self.logger.path),
+                self.clock.device_hours,
+                run.logging.scaling_fit_start,
+            )
+            tasks = list(self.splits.val) if len(self.splits.val) > 1 else []
+            for task in [None, *tasks]:  # overall, then per task (`scaling/<task>/A`, ...) on multi-task runs
+                metric = f"val/pass_rate/{task}" if task else "val/pass_rate"
+                prediction = _live_fit(rows, result, hours, fit_start, metric)
+                result.update(
+                    {k.replace("scaling/", f"scaling/{task}/") if task else k: v for k, v in prediction.items()}
+                )
+        return result
+
+    def log(self, step: int, row: dict[str, Any]) -> None:
+        row.update(self.engines.metrics())
+        row.update(self.rewards.metrics())
+        row["device_hours"] = self.clock.device_hours
+        self.logger.log(step, row)
+
+    async def save(self, step: int) -> None:
+        state = {
+            "step": step,
+            "sampler": self.sampler.state_dict(),
+            "device_hours": self.clock.device_hours,
+            "in_flight_groups": len(self.pipeline.buffer) + len(self.pipeline.tasks),
+        }
+        await self.trainers.call("save", str(self.run_dir / "checkpoints"), state, self.run.checkpoint.keep_last)
+
+    async def close(self) -> None:
+        await self.pipeline.close()
+        self.rewards.close()
+        self.logger.close()
+        await self.engines.stop()
+        self.trainers.shutdown()
+
+
 async def _train(run: RunConfig) -> Path:
-    import ray
-    from transformers import AutoTokenizer
+    parts = await setup(run, StopFlag(run.checkpoint.save_on_signal))
+    try:
+        step = await _loop(parts)
+    except TrainerDied as exc:
+        where = _last_checkpoint(parts.run_dir)
+        raise RunStopped(f"{exc}. The run stops; {where}: run the same command to resume.") from exc
+    except EmptyBatches as exc:
+        raise RunStopped(f"{exc}; {_last_checkpoint(parts.run_dir)}") from exc
+    finally:
+        await parts.close()
+    if parts.stop:
+        print(
+            f"stopped by {parts.stop.signal} at step {step}; checkpoint saved, resume with the same command", flush=True
+        )
+    else:
+        _final_fit(parts.logger.path, parts.run_dir, set(parts.splits.val), run.logging.scaling_fit_start)
+    return parts.run_dir
 
-    from megatron_rl.algo.filters import NoPositiveResampling
-    from megatron_rl.data.sampler import CurriculumSampler
-    from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
-    from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
-    from megatron_rl.orchestration.engines import EngineGroup
-    from megatron_rl.rewards.workers import RewardWorkers
-    from megatron_rl.rollout.interruption import InterruptionTokens
-    from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline, validate
-    from megatron_rl.trainer.checkpoint import latest_checkpoint
 
+async def _loop(p: Parts) -> int:
+    """The training loop (module docstring); returns the last step."""
+    run, step, validated, empty_batches, empty_streak = p.run, p.step, -1, 0, 0
+    p.engines.reset_usage()  # the generators' idle share over the loop, not the start-up
+    p.pipeline.start()
+    while step < run.total_steps and not p.stop:
+        started = time.perf_counter()
+        row: dict[str, Any] = {}
+        if step % run.eval.every_steps == 0 and validated != step:
+            row.update(await p.validate())
+            validated = step
+        groups, stats = await p.pipeline.next_batch(step)
+        row.update(stats.as_metrics())
+        if groups:
+            row.update(await p.trainers.call("train_step", groups))
+            empty_streak = 0
+        else:  # every group was zero-variance: no optimizer step this round (logged, counted)
+            empty_batches, empty_streak = empty_batches + 1, empty_streak + 1
+        row["train/empty_batches"] = float(empty_batches)
+        if run.algo.max_empty_batches and empty_streak >= run.algo.max_empty_batches:
+            p.log(step, row)
+            raise EmptyBatches(step, empty_streak, stats.as_metrics())
+        step = await p.trainers.call("version")
+        if p.pipeline.push_due(step):
+            row.update(await p.engines.push_weights(p.trainers, step))
+            p.pipeline.pushed(step)
+        row.update({"time/step_s": time.perf_counter() - started, "train/regenerated_groups": p.regenerated})
+        p.log(step, row)
+        if step % run.checkpoint.every_steps == 0 or p.stop or step == run.total_steps:
+            await p.save(step)
+    if step >= run.total_steps and not p.stop:
+        p.log(step, await p.validate())
+    return step
+
+
+async def setup(run: RunConfig, stop: StopFlag) -> Parts:
+    """Everything before the first step: data, the starting policy, Ray, trainer ranks and engines, the
+    weight-sync group, the checkpoint resumed from, the pipeline and the logger."""
     run_dir = Path(run.output_dir) / run.name
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(run, run_dir / "config.yaml")
-    stop = StopFlag(run.checkpoint.save_on_signal)
-
     splits = load_splits(run.data)
     _report_data(splits)
     if any(d.task == "code" for d in run.data.datasets):
@@ -158,34 +251,23 @@ async def _train(run: RunConfig) -> Path:
 
         get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
     policy = prepare_policy(run, splits)
+    (run_dir / STARTING_MODEL).write_text(json.dumps({"path": str(policy.resolve())}))
     tokenizer = AutoTokenizer.from_pretrained(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
-    phrase = run.rollout.interruption.phrase
-    tokens = InterruptionTokens(
-        end_of_thinking=tokenizer.convert_tokens_to_ids(run.rollout.interruption.end_of_thinking),
-        eos=tokenizer.eos_token_id,
-        phrase=list(
-            tokenizer(phrase if phrase.startswith(" ") else " " + phrase, add_special_tokens=False)["input_ids"]
-        ),
-    )
+    tokens = _interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
 
     if not ray.is_initialized():
         # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
         # running on this machine (another run's, another user's) and fail on its auth token.
-        address = "auto" if _ray_cluster() else "local"
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        ray.init(address="auto" if os.environ.get("RAY_ADDRESS") else "local", include_dashboard=False)
     stop.install()  # over Ray's handler
     trainers = TrainerGroup(run, dataclasses.asdict(run))
     engines = EngineGroup(run, policy, run_dir)
     await engines.start()
 
-    sampler = CurriculumSampler(
-        splits.train,
-        {d.key: d.weight for d in run.data.datasets},
-        run.seed,
-        NoPositiveResampling(run.algo.no_positive_resampling),
-    )
+    no_positive = NoPositiveResampling(run.algo.no_positive_resampling)
+    sampler = CurriculumSampler(splits.train, {d.key: d.weight for d in run.data.datasets}, run.seed, no_positive)
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
     start_hours, regenerated = 0.0, 0
     if checkpoint is not None:
@@ -202,126 +284,51 @@ async def _train(run: RunConfig) -> Path:
 
     rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
     pipeline = RolloutPipeline(
-        run.rollout, run.algo, sampler, rewards, engines.generate, encoder, tokens, seed=run.seed + step
+        run.rollout, run.algo, sampler, rewards, engines.generate, encoder, tokens, seed=run.seed + step, version=step
     )
-    pipeline.version = step
     devices = run.parallel.trainer_devices + (run.compute.generator_devices or engines.devices)
     clock = ComputeClock(devices, start_hours)
     header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
     header.update(device_kind=run.compute.device_kind, devices=devices)
     header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
     logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run), resume_step=step)
-
-    async def validation() -> dict[str, float]:
-        result = await validate(
-            splits.val,
-            run.eval.samples_per_prompt,
-            engines.generate,
-            encoder,
-            run.rollout,
-            tokens,
-            rewards,
-            lambda: pipeline.version,
-            seed=run.seed,
-        )
-        if run.logging.live_scaling_fit:
-            rows = read_metrics(logger.path)
-            fit_start = run.logging.scaling_fit_start
-            result.update(_live_fit(rows, result, clock.device_hours, fit_start))
-            if len(splits.val) > 1:
-                for task in splits.val:
-                    metric = f"val/pass_rate/{task}"
-                    prediction = _live_fit(rows, result, clock.device_hours, fit_start, metric)
-                    result.update({k.replace("scaling/", f"scaling/{task}/"): v for k, v in prediction.items()})
-        return result
-
-    if engines.balancer is not None:
-        engines.balancer.reset_usage()  # generator idle share over the loop, not the start-up
-    pipeline.start()
-    validated, empty_batches, empty_streak = -1, 0, 0
-    try:
-        while step < run.total_steps and not stop:
-            started = time.perf_counter()
-            row: dict[str, Any] = {}
-            if step % run.eval.every_steps == 0 and validated != step:
-                row.update(await validation())
-                validated = step
-            groups, stats = await pipeline.next_batch(step)
-            row.update(stats.as_metrics())
-            if groups:
-                row.update(await trainers.call("train_step", groups))
-                empty_streak = 0
-            else:  # every group was zero-variance: no optimizer step this round (logged, counted)
-                empty_batches, empty_streak = empty_batches + 1, empty_streak + 1
-            row["train/empty_batches"] = float(empty_batches)
-            if run.algo.max_empty_batches and empty_streak >= run.algo.max_empty_batches:
-                logger.log(step, {**row, "device_hours": clock.device_hours})
-                raise EmptyBatches(step, empty_streak, stats.as_metrics())
-            step = await trainers.call("version")
-            if run.rollout.mode == "pipeline" or step % run.rollout.k == 0:
-                row.update(await engines.push_weights(trainers, step))
-                pipeline.version = step
-                if run.rollout.mode == "ppo_off_policy":
-                    pipeline.release_round()
-            row.update({"time/step_s": time.perf_counter() - started, "train/regenerated_groups": regenerated})
-            row.update(engines.metrics())
-            row.update(rewards.metrics())
-            row["device_hours"] = clock.device_hours
-            logger.log(step, row)
-            if step % run.checkpoint.every_steps == 0 or stop or step == run.total_steps:
-                await _save(trainers, run, run_dir, step, sampler, clock, pipeline)
-        if step >= run.total_steps and not stop:
-            final = await validation()
-            logger.log(step, {**final, "device_hours": clock.device_hours})
-    except TrainerDied as exc:
-        last = latest_checkpoint(run_dir / "checkpoints")
-        where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
-        raise RunStopped(f"{exc}. The run stops; {where}: run the same command to resume.") from exc
-    except EmptyBatches as exc:
-        last = latest_checkpoint(run_dir / "checkpoints")
-        where = f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
-        raise RunStopped(f"{exc}; {where}") from exc
-    finally:
-        await pipeline.close()
-        rewards.close()
-        logger.close()
-        await engines.stop()
-        trainers.shutdown()
-    if stop:
-        print(f"stopped by {stop.signal} at step {step}; checkpoint saved, resume with the same command", flush=True)
-    else:
-        _final_fit(logger.path, run_dir, set(splits.val), run.logging.scaling_fit_start)
-    return run_dir
+    return Parts(
+        run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
+        step, regenerated,
+    )  # fmt: skip
 
 
-async def _save(
-    trainers: Any, run: RunConfig, run_dir: Path, step: int, sampler: Any, clock: Any, pipeline: Any
-) -> None:
-    state = {
-        "step": step,
-        "sampler": sampler.state_dict(),
-        "device_hours": clock.device_hours,
-        "in_flight_groups": len(pipeline.buffer) + len(pipeline.tasks),
-    }
-    await trainers.call("save", str(run_dir / "checkpoints"), state, run.checkpoint.keep_last)
+def _last_checkpoint(run_dir: Path) -> str:
+    last = latest_checkpoint(run_dir / "checkpoints")
+    return f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
 
 
-def _ray_cluster() -> bool:
-    import os
+def _interruption_tokens(run: RunConfig, tokenizer: Any) -> InterruptionTokens:
+    """The token ids length control needs: `</think>`, EOS, and the interruption phrase as it is appended."""
+    phrase = run.rollout.interruption.phrase
+    return InterruptionTokens(
+        end_of_thinking=tokenizer.convert_tokens_to_ids(run.rollout.interruption.end_of_thinking),
+        eos=tokenizer.eos_token_id,
+        phrase=list(
+            tokenizer(phrase if phrase.startswith(" ") else " " + phrase, add_special_tokens=False)["input_ids"]
+        ),
+    )
 
-    return bool(os.environ.get("RAY_ADDRESS"))
+
+def _report_data(splits: Splits) -> None:
+    """One line per dataset (training prompts, malformed rows skipped) and the validation prompts per task."""
+    for key, stats in splits.stats.items():
+        line = f"data: {key}: {len(splits.train[key])} training prompts"
+        if stats.skipped:
+            line += f", {stats.skipped} of {stats.rows} rows skipped (data.bad_rows=skip); first: {stats.errors[0]}"
+        print(line, flush=True)
+    print("data: validation " + ", ".join(f"{task} {len(p)}" for task, p in splits.val.items()), flush=True)
 
 
 def _live_fit(
-    rows: list[dict[str, Any]],
-    latest: dict[str, float],
-    device_hours: float,
-    fit_start: float,
-    metric: str = "val/pass_rate",
+    rows: list[dict[str, Any]], latest: dict[str, float], device_hours: float, fit_start: float, metric: str
 ) -> dict[str, float]:
     """Predicted asymptote A (with its interval) from the validation points so far (scaling toolkit)."""
-    from megatron_rl.scaling import live_prediction
-
     points = [r for r in rows if r.get(metric) is not None]
     points.append({"step": -1, "device_hours": device_hours, **latest})
     return live_prediction(points, fit_start=fit_start, metric=metric)
@@ -329,9 +336,7 @@ def _live_fit(
 
 def _final_fit(metrics_path: Path, run_dir: Path, tasks: set[str], fit_start: float) -> None:
     """Print the fitted compute-performance curve of this run and write its plot."""
-    from megatron_rl.scaling.cli import main as fit_main
-
     common = [str(metrics_path), "--fit-start", str(fit_start)]
     fit_main([*common, "--plot", str(run_dir / "scaling_curve.png")])
-    if len(tasks) > 1:  # multi-task: one curve per task as well (SCALERL.md: math and code fitted separately)
+    if len(tasks) > 1:  # multi-task: one curve per task as well (docs/recipe.md §7: math and code fitted apart)
         fit_main([*common, "--metric", "val/pass_rate/*", "--plot", str(run_dir / "scaling_curve_tasks.png")])

@@ -1,4 +1,7 @@
-"""Supervised warm-up: give a random tiny model a non-zero starting pass rate before RL.
+"""The policy RL starts from: `model.hf_path`, or (the CPU run) a tiny model built here and given a non-zero
+starting pass rate by a supervised warm-up.
+
+    policy = prepare_policy(run, splits)          # an HF directory: the given checkpoint or the cached warm model
 
 RL improves a policy that sometimes succeeds; a random 1M-parameter model never does. The CPU run
 therefore first fine-tunes its freshly built model on worked solutions of the synthetic task (plain
@@ -20,7 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.data.datasets import Prompt
+from megatron_rl.config import RunConfig
+from megatron_rl.data.datasets import Prompt, Splits
+from megatron_rl.data.synthetic import SOLUTIONS
+from megatron_rl.models.tiny import build_tiny_model
+
+POLICY_CACHE = Path.home() / ".cache" / "megatron_rl"
 
 
 @dataclass
@@ -31,6 +39,32 @@ class WarmupTask:
     solution: Callable[..., str]
     """`solution(prompt, slip=..., rng=...)`, as in `data.synthetic.SOLUTIONS`."""
     weight: float = 1.0
+
+
+def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -> Path:
+    """The Hugging Face directory RL starts from: `model.hf_path`, or a tiny model built here and warmed up
+    on the synthetic task's worked solutions (`trainer.warm_start_steps`)."""
+    if run.model.hf_path:
+        path = Path(run.model.hf_path)
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model.hf_path: {path} has no config.json")
+        return path
+    base = build_tiny_model(cache / f"{run.model.name}-seed{run.seed}", run.model, seed=run.seed)
+    if run.trainer.warm_start_steps == 0:
+        return base
+    tasks = []
+    for i, dataset in enumerate(run.data.datasets):
+        name = dataset.source.removeprefix("synthetic:")
+        if not dataset.source.startswith("synthetic:") or name not in SOLUTIONS:
+            raise ValueError(
+                f"trainer.warm_start_steps: the warm-up needs synthetic tasks with worked solutions "
+                f"({sorted(SOLUTIONS)}); data.datasets[{i}].source is {dataset.source!r}"
+            )
+        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight))
+    names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
+    out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
+    slip = run.trainer.warm_start_slip
+    return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed, slip=slip)
 
 
 def warm_start(

@@ -18,7 +18,7 @@ formats, all a dict in `Prompt.tests` (data/datasets.py):
   namespace, in one sandbox run.
 
 DeepCoder's per-case lists ([{"input", "output", "testtype", "metadata": {"func_name"}}, ...]) are
-converted to these forms once, when the dataset row is loaded (`from_case_list`). Their functional
+converted to these forms once, when the dataset row is loaded (data/code_tests.py). Their functional
 (call-based) cases are LiveCodeBench's, whose inputs (one argument per line) and outputs are JSON text:
 that text is decoded there, and a case that is not JSON text is an error naming the case. JSON text is
 decoded nowhere else.
@@ -39,6 +39,7 @@ import re
 from typing import Any
 
 from megatron_rl.config import RewardsConfig
+from megatron_rl.data.code_tests import normalise_tests
 from megatron_rl.rewards.math import RewardResult, answer_part
 from megatron_rl.rewards.sandbox import EXIT_COMPILE_ERROR, EXIT_MEMORY, RunResult, get_sandbox
 
@@ -149,84 +150,6 @@ def code_time_bound_s(tests: dict[str, Any] | list[dict[str, Any]], cfg: Rewards
     else:
         runs = len(tests.get("inputs") or ())
     return math.ceil(max(runs, 1) / cfg.sandbox.workers) * (cfg.sandbox.wall_time_s + 1.0)
-
-
-def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """DeepCoder's per-case lists (LiveCodeBench, Codeforces, PrimeIntellect rows) as the dict form.
-
-    [{"input": "1 2", "output": "3"}, ...]                  -> {"inputs": ["1 2"], "outputs": ["3"]}
-    [{"input": "[1, 2]\n3", "output": "[0]", "testtype": "functional",
-      "metadata": {"func_name": "f"}}, ...]                 -> {"fn_name": "f", "inputs": [[[1, 2], 3]],
-                                                                "outputs": [[0]]}
-
-    Functional cases hold JSON text (LiveCodeBench's format: one argument per input line, one value as
-    output), decoded here: `"output": "21"` is the number 21, `"output": "\"21\""` the string "21". A
-    functional input or output that is not a string of JSON text raises ValueError naming the case, as
-    does a list that mixes test types.
-    """
-    if not cases or not all(isinstance(case, dict) and "input" in case and "output" in case for case in cases):
-        raise ValueError("code tests given as a list need {'input': ..., 'output': ...} cases")
-    testtypes = {case["testtype"] for case in cases if case.get("testtype")}
-    if len(testtypes) > 1:
-        raise ValueError(f"code tests: a case list mixes test types {sorted(map(str, testtypes))}")
-    first = cases[0]
-    fn_name = first.get("fn_name") or (first.get("metadata") or {}).get("func_name")
-    if "functional" in testtypes and not fn_name:
-        raise ValueError("code tests: a functional case list needs metadata.func_name")
-    if not fn_name:
-        return {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
-    inputs = [_functional_args(case["input"], index) for index, case in enumerate(cases)]
-    outputs = [_json(case["output"], index, "output") for index, case in enumerate(cases)]
-    return {"fn_name": fn_name, "inputs": inputs, "outputs": outputs}
-
-
-def normalise_tests(tests: dict[str, Any] | list[dict[str, Any]]) -> dict[str, Any]:
-    """Any accepted test format as the dict form, checked; ValueError says what is wrong."""
-    if isinstance(tests, list):
-        tests = from_case_list(tests)
-    if not isinstance(tests, dict):
-        raise ValueError(f"code tests must be an object or a list of cases, got {type(tests).__name__}")
-    _check_tests(tests)
-    return tests
-
-
-def _check_tests(tests: dict[str, Any]) -> None:
-    if "asserts" in tests:
-        if not isinstance(tests["asserts"], list) or not tests["asserts"]:
-            raise ValueError("code tests: 'asserts' must be a non-empty list of statements")
-        return
-    if "inputs" not in tests or "outputs" not in tests:
-        raise ValueError(
-            f"code tests need 'inputs' and 'outputs' (and 'fn_name' if call-based) or 'asserts'; got {sorted(tests)}"
-        )
-    if not tests["inputs"] or len(tests["inputs"]) != len(tests["outputs"]):
-        counts = f"{len(tests['inputs'])} inputs, {len(tests['outputs'])} outputs"
-        raise ValueError(f"code tests need as many outputs as inputs, at least one; got {counts}")
-    if tests.get("fn_name"):
-        for index, args in enumerate(tests["inputs"]):
-            if not isinstance(args, list):
-                raise ValueError(
-                    f"code tests: call-based input {index} must be the list of arguments, got {type(args).__name__}"
-                    " (JSON text, as LiveCodeBench stores it, belongs in a case list with testtype 'functional')"
-                )
-
-
-def _functional_args(text: Any, index: int) -> list[Any]:
-    """A functional case's input: one JSON argument per line."""
-    if not isinstance(text, str):
-        raise ValueError(f"code tests: case {index}: functional 'input' must be JSON text, got {type(text).__name__}")
-    return [_json(line, index, "input") for line in text.splitlines() if line.strip()]
-
-
-def _json(text: Any, index: int, field: str) -> Any:
-    if not isinstance(text, str):
-        raise ValueError(f"code tests: case {index}: functional '{field}' must be JSON text, got {type(text).__name__}")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(
-            f"code tests: case {index}: functional '{field}' is not JSON text ({exc}): {text[:80]!r}"
-        ) from None
 
 
 def _text(value: Any) -> str:

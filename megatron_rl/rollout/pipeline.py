@@ -1,6 +1,6 @@
 """The rollout pipeline: prompts -> groups of G completions with rewards -> a bounded buffer -> batches.
 
-One producer serves both asynchronous modes of SCALERL.md §4; they differ only in when generation may
+One producer serves both asynchronous modes of docs/recipe.md §4; they differ only in when generation may
 start a new group:
 
 - `pipeline` (PipelineRL-k): generation never stops. Groups are started whenever fewer than
@@ -10,8 +10,12 @@ start a new group:
   frozen weights; the next round starts only after the trainer has taken k steps and synced
   (`release_round`).
 
+The pipeline also owns the push cadence: `push_due(version)` says when the trainer's weights go to the
+engines (after every step in `pipeline` mode, after every k-th in `ppo_off_policy`), and `pushed(version)`
+records that the engines hold them.
+
 Staleness is enforced in exactly one place, `next_batch`. By default (`rollout.staleness: wait`, the
-paper's rule, SCALERL.md §4) the trainer waits: a group started k or more versions ago is *due* and the
+paper's rule, docs/recipe.md §4) the trainer waits: a group started k or more versions ago is *due* and the
 batch is not complete without it, however long its completions take; the other slots are filled first
 come, first served. Nothing is dropped, so the long completions (the last to finish) are trained on as
 often as they are sampled. This is always feasible: in pipeline mode at most min(2, k) x prompts_per_step
@@ -150,17 +154,15 @@ class RolloutPipeline:
         encoder: PromptEncoder,
         tokens: InterruptionTokens,
         seed: int,
+        version: int = 0,
     ) -> None:
         self.cfg, self.algo = cfg, algo
         self.sampler, self.rewards, self.generate = sampler, rewards, generate
         self.encoder, self.tokens = encoder, tokens
         self.rng = random.Random(seed)
-        self.version = 0
+        self.version = version
         """The policy version the engines hold (the trainer's step count at the last sync)."""
-        round_groups = cfg.k * cfg.prompts_per_step
-        # Pipeline: a group started at version v is due at v + k; with at most min(2, k) batches generating
-        # or buffered, at most one batch of groups is ever due at once (the wait rule always completes).
-        self.capacity = round_groups if cfg.mode == "ppo_off_policy" else min(2, cfg.k) * cfg.prompts_per_step
+        self.capacity = cfg.groups_in_flight  # at most one batch is ever due at once: the wait rule completes
         self.buffer: list[SampledGroup] = []
         """Finished groups, in the order they finished."""
         self.generating: dict[int, int] = {}
@@ -199,6 +201,17 @@ class RolloutPipeline:
         self.tasks.discard(task)
         if not task.cancelled() and task.exception() is not None:
             self.errors.append(task.exception())
+
+    def push_due(self, trainer_version: int) -> bool:
+        """Whether the engines get the trainer's weights now that it holds `trainer_version`: after every step
+        (PipelineRL, in flight), or at the end of a round of k steps on frozen weights (PPO-off-policy)."""
+        return self.cfg.mode == "pipeline" or trainer_version % self.cfg.k == 0
+
+    def pushed(self, version: int) -> None:
+        """The engines hold `version` now: new groups start from it, and PPO-off-policy's next round opens."""
+        self.version = version
+        if self.cfg.mode == "ppo_off_policy":
+            self.release_round()
 
     def release_round(self) -> None:
         """PPO-off-policy: the trainer synced after k steps; generate the next round."""

@@ -300,7 +300,7 @@ def iter_hf_weights(model: Any, cfg: Any, bucket_bytes: int = 512 << 20) -> Iter
 
     Llama-4's fused expert stacks come out whole once their layer's last expert has passed.
     """
-    from megatron_rl.convert import HFMapper
+    from megatron_rl.models import HFMapper
 
     mapper = HFMapper(cfg)
     for bucket in iter_full_weights(model, bucket_bytes):

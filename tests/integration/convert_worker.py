@@ -49,10 +49,11 @@ def run_job(job: dict, world: int) -> dict:
     from pathlib import Path
 
     from megatron_rl.config import ParallelConfig, TrainerConfig, load_config
-    from megatron_rl.convert import HFMapper, canonical_shapes, from_hf, import_hf
+    from megatron_rl.convert import import_hf
     from megatron_rl.convert.hf_files import HFReader
     from megatron_rl.convert.hf_import import write_metadata
     from megatron_rl.convert.runtime import megatron_process
+    from megatron_rl.models import HFMapper, canonical_shapes, from_hf
     from megatron_rl.trainer.model import build_model
     from megatron_rl.trainer.weights import full_shapes, iter_full_weights, iter_hf_weights, load_full_weights
 

@@ -107,12 +107,12 @@ def _assert_bit_identical(got: dict[str, torch.Tensor], expected: dict[str, torc
 
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    from megatron_rl.convert.tiny import build_tiny_hf_model
+    from megatron_rl.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("hf")
     dirs = {}
     for key, (name, overrides) in MODELS.items():
-        dirs[key] = build_tiny_hf_model(root / key, load_config("scalerl-cpu", name, overrides).model, seed=11)
+        dirs[key] = build_tiny_model(root / key, load_config("scalerl-cpu", name, overrides).model, seed=11, std=0.08)
     return dirs
 
 

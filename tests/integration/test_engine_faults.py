@@ -214,9 +214,10 @@ def test_an_update_that_failed_midway_can_be_sent_again_and_a_dead_engine_fails_
     from safetensors.torch import load_file
 
     from megatron_rl.config import EngineConfig, ModelConfig, build, load_model_dict
-    from megatron_rl.data.tiny import build_tiny_model
-    from megatron_rl.rollout.sglang import SGLangClient, SGLangServer, free_port
-    from megatron_rl.sync import SyncError, WeightSender, make_buckets
+    from megatron_rl.generator.client import SGLangClient
+    from megatron_rl.generator.server import SGLangServer, free_port
+    from megatron_rl.generator.weight_sync import SyncError, WeightSender, make_buckets
+    from megatron_rl.models.tiny import build_tiny_model
 
     model_dir = build_tiny_model(tmp_path / "model", build(ModelConfig, load_model_dict("cpu_demo")), seed=11)
     new = {name: t + 0.01 for name, t in sorted(load_file(str(model_dir / "model.safetensors")).items())}
@@ -279,9 +280,10 @@ def test_a_hung_engine_fails_the_push_within_the_sync_timeout_and_is_named(tmp_p
     from safetensors.torch import load_file
 
     from megatron_rl.config import EngineConfig, ModelConfig, build, load_model_dict
-    from megatron_rl.data.tiny import build_tiny_model
-    from megatron_rl.rollout.sglang import SGLangClient, SGLangServer, free_port
-    from megatron_rl.sync import SyncError, WeightSender, make_buckets
+    from megatron_rl.generator.client import SGLangClient
+    from megatron_rl.generator.server import SGLangServer, free_port
+    from megatron_rl.generator.weight_sync import SyncError, WeightSender, make_buckets
+    from megatron_rl.models.tiny import build_tiny_model
 
     timeout = 8.0
     model_dir = build_tiny_model(tmp_path / "model", build(ModelConfig, load_model_dict("cpu_demo")), seed=11)

@@ -56,11 +56,11 @@ def _hf_logprobs(hf_dir: Path, batch: list) -> list[list[float]]:
 @pytest.fixture(scope="module")
 def scout_like(tmp_path_factory):
     """A tiny HF Llama-4 with the chunk/temperature rules, the batch, and transformers' log-probs."""
-    from megatron_rl.convert.tiny import build_tiny_hf_model
+    from megatron_rl.models.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("llama4")
     cfg = load_config("scalerl-cpu", "tiny_llama4", RULES).model
-    hf_dir = build_tiny_hf_model(root / "hf", cfg, seed=5, std=0.2)
+    hf_dir = build_tiny_model(root / "hf", cfg, seed=5, std=0.2)
     (result,) = _run(
         root,
         "probe",
@@ -75,11 +75,11 @@ def scout_like(tmp_path_factory):
 
 def test_the_rules_change_transformers_log_probs(scout_like, tmp_path):
     """The comparison can fail: without the rules transformers' log-probs move by far more than 1e-5."""
-    from megatron_rl.convert.tiny import build_tiny_hf_model
+    from megatron_rl.models.tiny import build_tiny_model
 
     _, _, batch, expected = scout_like
     plain = load_config("scalerl-cpu", "tiny_llama4", ["model.max_position_embeddings=256"]).model
-    plain_dir = build_tiny_hf_model(tmp_path / "plain", plain, seed=5, std=0.2)  # same seed: same weights
+    plain_dir = build_tiny_model(tmp_path / "plain", plain, seed=5, std=0.2)  # same seed: same weights
     assert _max_diff(_hf_logprobs(plain_dir, batch), expected) > 1e-2
 
 

@@ -18,17 +18,11 @@ import pytest
 import torch
 
 from megatron_rl.config import EngineConfig, ModelConfig, SamplingConfig, build, load_config, load_model_dict
+from megatron_rl.generator.balancer import EngineBalancer
+from megatron_rl.generator.client import EngineRequestError, EngineUnavailableError, SGLangClient, as_generate_fn
+from megatron_rl.generator.server import SGLangServer, free_port
+from megatron_rl.generator.weight_sync import WeightSender, make_buckets
 from megatron_rl.rollout.interruption import InterruptionTokens, Segment, generate_completion
-from megatron_rl.rollout.sglang import (
-    EngineBalancer,
-    EngineRequestError,
-    EngineUnavailableError,
-    SGLangClient,
-    SGLangServer,
-    as_generate_fn,
-    free_port,
-)
-from megatron_rl.sync import WeightSender, make_buckets
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +43,7 @@ def run(coro):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> Path:
-    from megatron_rl.data.tiny import build_tiny_model
+    from megatron_rl.models.tiny import build_tiny_model
 
     cfg = build(ModelConfig, load_model_dict("cpu_demo"))
     return build_tiny_model(tmp_path_factory.mktemp("engine") / "model", cfg, seed=11)

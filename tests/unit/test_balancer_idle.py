@@ -13,7 +13,8 @@ import time
 from typing import cast
 
 from megatron_rl.config import SamplingConfig
-from megatron_rl.rollout.sglang import EngineBalancer, EngineRequestError, EngineTimeoutError, SGLangClient
+from megatron_rl.generator.balancer import EngineBalancer
+from megatron_rl.generator.client import EngineRequestError, EngineTimeoutError, SGLangClient
 
 TOL_S = 0.01
 

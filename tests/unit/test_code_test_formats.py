@@ -6,9 +6,9 @@ import json
 import pytest
 
 from megatron_rl.config import DatasetConfig, RewardsConfig
+from megatron_rl.data.code_tests import from_case_list, normalise_tests
 from megatron_rl.data.datasets import DatasetError, load_prompts
 from megatron_rl.rewards import code
-from megatron_rl.rewards.code import from_case_list, normalise_tests
 from megatron_rl.rewards.sandbox import RunResult
 
 

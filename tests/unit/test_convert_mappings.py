@@ -10,7 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from megatron_rl.config import load_config
-from megatron_rl.convert import (
+from megatron_rl.convert.hf_files import HFReader, ShardedWriter, parse_size
+from megatron_rl.convert.hf_import import check_hf_tensors
+from megatron_rl.models import (
     HFMapper,
     family,
     family_of,
@@ -20,9 +22,7 @@ from megatron_rl.convert import (
     layers,
     model_config_from_hf,
 )
-from megatron_rl.convert.hf_files import HFReader, ShardedWriter, parse_size
-from megatron_rl.convert.hf_import import check_hf_tensors
-from megatron_rl.convert.tiny import build_tiny_hf_model
+from megatron_rl.models.tiny import build_tiny_model
 from megatron_rl.trainer.weights import _join_tp, _split_tp
 
 FAMILY_MODELS = {
@@ -45,7 +45,7 @@ def model_cfg(key: str):
 @pytest.fixture(scope="module")
 def hf_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("hf")
-    return {key: build_tiny_hf_model(root / key, model_cfg(key), seed=5) for key in FAMILY_MODELS}
+    return {key: build_tiny_model(root / key, model_cfg(key), seed=5, std=0.08) for key in FAMILY_MODELS}
 
 
 @pytest.mark.parametrize("key", list(FAMILY_MODELS))

@@ -15,8 +15,9 @@ import pytest
 from aiohttp import web
 
 from megatron_rl.config import SamplingConfig
+from megatron_rl.generator.balancer import EngineBalancer
+from megatron_rl.generator.client import EngineRequestError, SGLangClient
 from megatron_rl.rollout.interruption import Segment
-from megatron_rl.rollout.sglang import EngineBalancer, EngineRequestError, SGLangClient
 
 GOOD: dict[str, Any] = {
     "text": "ab",

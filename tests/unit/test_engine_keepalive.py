@@ -20,9 +20,10 @@ import time
 import uvicorn
 
 from megatron_rl.config import SamplingConfig
-from megatron_rl.rollout import sglang
+from megatron_rl.generator import client as engine_client
+from megatron_rl.generator.balancer import EngineBalancer
+from megatron_rl.generator.client import SGLangClient
 from megatron_rl.rollout.interruption import Segment
-from megatron_rl.rollout.sglang import EngineBalancer, SGLangClient
 
 SERVER_KEEPALIVE_S = 5
 """uvicorn's default, which SGLang servers we do not start ourselves keep."""
@@ -90,4 +91,4 @@ def test_a_request_after_the_servers_keepalive_neither_fails_nor_retries():
     assert first == second == Segment([5], [-0.5], [0], "length")
     assert (balancer.failures, balancer.retries) == (0, 0)
     # What the blocked loop cannot show: a keep-alive between the server's and IDLE_S is as racy.
-    assert sglang.CLIENT_KEEPALIVE_S < SERVER_KEEPALIVE_S < IDLE_S
+    assert engine_client.CLIENT_KEEPALIVE_S < SERVER_KEEPALIVE_S < IDLE_S

@@ -102,6 +102,33 @@ def test_prompts_over_the_length_limit_are_skipped_counted_and_replaced(encoder,
     assert all(g.prompt_id != "long" for g in groups)
 
 
+def test_the_push_cadence_is_the_pipelines(encoder, rewards):
+    """PipelineRL pushes after every step; PPO-off-policy-k after every k-th, and generates nothing of the next
+    round until the push, whose version the next round's tokens carry."""
+    train = {"math": [Prompt(f"s{i}", "math", f"What is {i} + 1?", answer=str(i + 1)) for i in range(8)]}
+    algo = AlgoConfig(zero_variance_filter=False)
+    pipeline = _pipeline(encoder, rewards, train, _rollout(mode="pipeline", k=4), "\\boxed{2}", algo)
+    assert all(pipeline.push_due(version) for version in range(1, 9))
+    ppo = _pipeline(encoder, rewards, train, _rollout(mode="ppo_off_policy", k=2), "\\boxed{2}", algo)
+    assert [ppo.push_due(version) for version in range(1, 7)] == [False, True, False, True, False, True]
+
+    async def two_rounds() -> list[int]:
+        ppo.start()
+        try:
+            for version in range(2):  # one round: k batches generated from frozen weights
+                await asyncio.wait_for(ppo.next_batch(version), timeout=60)
+            await asyncio.sleep(0.2)
+            assert not ppo.buffer and not ppo.generating  # the next round waits for the push
+            ppo.pushed(2)
+            groups, _ = await asyncio.wait_for(ppo.next_batch(2), timeout=60)
+            return [v for g in groups for c in g.completions for v in c.versions]
+        finally:
+            await ppo.close()
+
+    versions = asyncio.run(two_rounds())
+    assert versions and set(versions) == {2}
+
+
 def test_ppo_off_policy_replaces_stale_groups_within_the_round(encoder, rewards):
     train = {"math": [Prompt(f"s{i}", "math", f"What is {i} + 1?", answer=str(i + 1)) for i in range(8)]}
     cfg = _rollout(mode="ppo_off_policy", k=1, staleness="drop")  # a round is exactly one batch of 4 groups

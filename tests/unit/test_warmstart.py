@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from megatron_rl.config import ModelConfig, build, load_model_dict
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.data.synthetic import arithmetic_rows, arithmetic_solution
-from megatron_rl.data.tiny import build_tiny_model
+from megatron_rl.models.tiny import build_tiny_model
 from megatron_rl.orchestration.warmstart import WarmupTask, warm_start
 
 

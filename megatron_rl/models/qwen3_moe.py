@@ -20,8 +20,8 @@ from typing import Any
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.convert import hf_configs, layers
-from megatron_rl.convert.layers import FromHF, HFTensors
+from megatron_rl.models import hf_configs, layers
+from megatron_rl.models.layers import FromHF, HFTensors
 
 MODEL_TYPES = ("qwen3_moe",)
 _EXPERT = "mlp.experts.local_experts."

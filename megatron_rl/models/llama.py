@@ -1,4 +1,4 @@
-"""Llama 3.x (dense): `LlamaForCausalLM` <-> canonical megatron names (layout in convert/layers.py).
+"""Llama 3.x (dense): `LlamaForCausalLM` <-> canonical megatron names (layout in models/layers.py).
 
 Llama-3.1's RoPE frequency scaling (`rope_type: llama3`) maps to `model.rope_scaling_factor` and its
 low/high frequency factors; attention and MLP biases (`attention_bias`, `mlp_bias`) are not supported.
@@ -12,8 +12,8 @@ from typing import Any
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.convert import hf_configs, layers
-from megatron_rl.convert.layers import FromHF, HFTensors
+from megatron_rl.models import hf_configs, layers
+from megatron_rl.models.layers import FromHF, HFTensors
 
 MODEL_TYPES = ("llama",)
 

@@ -1,4 +1,4 @@
-"""Qwen3 (dense): `Qwen3ForCausalLM` <-> canonical megatron names (layout in convert/layers.py).
+"""Qwen3 (dense): `Qwen3ForCausalLM` <-> canonical megatron names (layout in models/layers.py).
 
 Per-head RMSNorm on queries and keys (`self_attn.{q,k}_norm`) maps to megatron's q/k layernorm; tied
 embeddings (the small Qwen3 models) have no `lm_head.weight` and no megatron `output_layer.weight`.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.convert import hf_configs, llama
+from megatron_rl.models import hf_configs, llama
 
 MODEL_TYPES = ("qwen3",)
 
@@ -25,7 +25,7 @@ def check(cfg: ModelConfig) -> None:
         raise ValueError(f"model.family=qwen3: {', '.join(wrong)} is not part of a Qwen3 model")
 
 
-# Same tensors as Llama; the q/k norms are part of the shared attention mapping (convert/layers.py).
+# Same tensors as Llama; the q/k norms are part of the shared attention mapping (models/layers.py).
 to_hf = llama.to_hf
 from_hf = llama.from_hf
 

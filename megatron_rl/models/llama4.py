@@ -32,8 +32,8 @@ from typing import Any
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.convert import hf_configs, layers
-from megatron_rl.convert.layers import FromHF, HFTensors, Reader, Stacked
+from megatron_rl.models import hf_configs, layers
+from megatron_rl.models.layers import FromHF, HFTensors, Reader, Stacked
 
 MODEL_TYPES = ("llama4_text", "llama4")
 MULTIMODAL_PREFIX = "language_model."

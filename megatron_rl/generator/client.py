@@ -1,18 +1,15 @@
-"""SGLang generator engines: managed server processes, an async client on SGLang's native HTTP API, and a
-balancer that makes several engines one `GenerateFn` for the rollout pipeline.
+"""An async client for one SGLang engine's native HTTP API, and the errors an engine call can end in.
 
-    server = SGLangServer(model_dir, engine_cfg, run_dir / "logs/engine0.log"); server.start()
-    await server.wait_ready()
     client = SGLangClient(server.url)
     segment = await client.generate(input_ids, max_new_tokens, stop_ids, sampling)   # -> interruption.Segment
-    generate = EngineBalancer([client, ...], sampling, max_retries)                  # a GenerateFn
+    await client.pause(); await client.update_weights_from_distributed(...); await client.resume()
 
 What the pipeline gets back per call (`interruption.Segment`): the sampled token ids, SGLang's per-token
 log-probs of the sampling distribution (log-softmax of logits / temperature, computed in fp32; top-p/top-k
 truncation is not folded in), the policy version of every token, and the finish reason (stop | length |
 abort). Versions come from SGLang itself: each answer carries `weight_versions`, spans of output tokens
 with the weight version that produced them. The server starts at version 0 and every weight update sets
-the trainer's step as the new version (sync.WeightSender), so a sequence that lived through in-flight
+the trainer's step as the new version (generator/weight_sync.py), so a sequence that lived through in-flight
 updates says exactly which tokens came from which policy (PipelineRL). The model's own EOS always ends a
 segment, as in any SGLang deployment; `stop_token_ids` add to it, and a stop token that ended a segment
 is part of its tokens.
@@ -20,9 +17,8 @@ is part of its tokens.
 Failures are typed so the pipeline can catch and count them: `EngineUnavailableError` (refused or dropped
 connection: the server is dead or restarting), `EngineTimeoutError`, `EngineRequestError` (the server
 answered with an HTTP error), all `EngineError`. The client retries only what cannot have reached the
-server (a connection that was never established); the balancer retries a failed request on another
-engine. On CPU the server runs SGLang's torch-native path (`SGLANG_USE_CPU_ENGINE=1`, `--device cpu
---attention-backend torch_native`), installed by tools/install_sglang.sh.
+server (a connection that was never established); the balancer (generator/balancer.py) retries a failed
+request on another engine.
 """
 
 from __future__ import annotations
@@ -30,31 +26,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import aiohttp
 
-from megatron_rl.config import EngineConfig, SamplingConfig
+from megatron_rl.config import SamplingConfig
 from megatron_rl.rollout.interruption import GenerateFn, Segment
 
-log = logging.getLogger(__name__)
-
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
-"""KV-cache pool size on CPU when none is given: SGLang would otherwise size it from a fraction of host RAM,
-which on a shared machine takes memory other processes need."""
-
-
-SERVER_KEEPALIVE_S = 60
-"""Idle keep-alive of the servers we start (SGLang's uvicorn default is 5 s)."""
 CLIENT_KEEPALIVE_S = 4.0
 """The client drops an idle connection after this, before any SGLang server (default 5 s) closes it. A
 client that keeps it longer (aiohttp's default is 15 s) sometimes sends a request on a connection the
@@ -84,178 +62,6 @@ class EngineRequestError(EngineError):
     def __init__(self, url: str, message: str, status: int) -> None:
         super().__init__(url, message)
         self.status = status
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
-def _port_is_free(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-class SGLangServer:
-    """One `python -m sglang.launch_server` process group: its command line, port, log and lifetime.
-
-    The server runs in its own session (process group), so `stop()` ends the HTTP process, the scheduler
-    and the detokenizer together, also when the HTTP process died first. Output goes to `log_path`
-    (appended, one header line per start); errors quote its tail.
-    """
-
-    def __init__(
-        self,
-        model_path: str | Path,
-        cfg: EngineConfig,
-        log_path: str | Path,
-        host: str = "127.0.0.1",
-        port: int | None = None,
-        max_total_tokens: int | None = None,
-    ) -> None:
-        self.model_path, self.cfg, self.log_path = Path(model_path), cfg, Path(log_path)
-        self.host = host
-        self.port = port or free_port(host)
-        if max_total_tokens is None and cfg.device == "cpu":
-            max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
-        self.max_total_tokens = max_total_tokens
-        self.process: subprocess.Popen[bytes] | None = None
-        self.restarts = 0
-        self.started_at = 0.0
-        self.ready_seconds = 0.0
-        """Seconds from the last start() to ready (set by wait_ready)."""
-        self._log: IO[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path)]
-        cmd += ["--host", self.host, "--port", str(self.port), "--tp-size", str(self.cfg.tp)]
-        cmd += ["--dtype", self.cfg.dtype, "--weight-version", "0", "--mem-fraction-static", str(self.cfg.mem_fraction)]
-        if self.max_total_tokens:
-            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
-        if self.cfg.device == "cpu":
-            # CPU: SGLang's torch-native attention (no kernels), no CUDA graphs, and no warm-up request
-            # (a tiny model needs none; it costs seconds of start-up on 2 cores).
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
-            cmd += ["--skip-server-warmup"]
-        if self.cfg.fp32_lm_head:
-            cmd += ["--enable-fp32-lm-head"]  # logits (hence sampling and log-probs) in fp32, SCALERL.md §3
-        return cmd + list(self.cfg.extra_args)
-
-    def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))
-        if self.cfg.device == "cpu":
-            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform defaults (no CUDA probing)
-        return env
-
-    def start(self) -> None:
-        if self.alive():
-            raise RuntimeError(f"SGLang server on port {self.port} is already running (pid {self.pid})")
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("ab")
-        command = self.command()
-        self._log.write(f"\n=== megatron_rl: {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
-        self._log.flush()
-        self.started_at = time.monotonic()
-        self.process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env=self.env(),
-            start_new_session=True,  # its own process group, so stop() reaches the scheduler processes too
-        )
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None else None
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def log_tail(self, lines: int = 40, max_bytes: int = 65536) -> str:
-        if not self.log_path.exists():
-            return "(no log)"
-        with self.log_path.open("rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - max_bytes))
-            text = f.read().decode(errors="replace")
-        return "\n".join(text.splitlines()[-lines:])
-
-    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
-        """Wait until `/health` answers 200; raise EngineError with the log tail if the server exits or
-        is not ready in time (then it is stopped)."""
-        if self.process is None:
-            raise RuntimeError("SGLangServer.start() first")
-        deadline = time.monotonic() + timeout_s
-        probe = aiohttp.ClientTimeout(total=5)
-        async with aiohttp.ClientSession(timeout=probe) as session:
-            while True:
-                if not self.alive():
-                    code = self.process.returncode if self.process else None
-                    self.stop()
-                    message = f"SGLang server exited with code {code} while starting; log {self.log_path}:"
-                    raise EngineUnavailableError(self.url, f"{message}\n{self.log_tail()}")
-                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                    async with session.get(f"{self.url}/health") as response:
-                        if response.status == 200:
-                            self.ready_seconds = time.monotonic() - self.started_at
-                            return
-                if time.monotonic() > deadline:
-                    self.stop()
-                    message = f"SGLang server not ready after {timeout_s:.0f} s; log {self.log_path}:"
-                    raise EngineTimeoutError(self.url, f"{message}\n{self.log_tail()}")
-                await asyncio.sleep(poll_s)
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """End the whole process group: SIGTERM, then SIGKILL after `grace_s`."""
-        if self.process is not None:
-            pgid = self.process.pid  # the leader of its own session: its pid is the group id
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while self._group_alive(pgid) and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if self._group_alive(pgid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(pgid, signal.SIGKILL)
-                self.process.wait()
-                deadline = time.monotonic() + 30.0  # SIGKILL is not refused; only unreaped zombies could stay
-                while self._group_alive(pgid) and time.monotonic() < deadline:
-                    time.sleep(0.1)
-            self.process = None
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def _group_alive(self, pgid: int) -> bool:
-        if self.process is not None:
-            self.process.poll()  # reap the leader, or it stays a zombie member of the group
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    async def restart(self, timeout_s: float = 600.0, grace_s: float = 20.0) -> None:
-        """Stop (SIGKILL after `grace_s`) and start again (on the same port if it is still free), then wait
-        until ready."""
-        self.stop(grace_s)
-        if not _port_is_free(self.host, self.port):
-            self.port = free_port(self.host)
-        self.restarts += 1
-        self.start()
-        await self.wait_ready(timeout_s)
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -634,117 +440,3 @@ def as_generate_fn(client: SGLangClient, sampling: SamplingConfig) -> GenerateFn
         return await client.generate(input_ids, max_new_tokens, stop_token_ids, sampling)
 
     return generate
-
-
-def _retryable(exc: EngineError) -> bool:
-    # A 4xx is the request's fault (e.g. a prompt over the context length): another engine says the same.
-    # A garbled answer (status 200 that does not parse) is the engine's: retried, like a 5xx.
-    return not isinstance(exc, EngineRequestError) or exc.status >= 500 or exc.status == 200
-
-
-class EngineBalancer:
-    """A `GenerateFn` over several engines: least outstanding requests first (round robin among ties).
-
-    A request whose engine fails with a retryable EngineError (unavailable, timeout, HTTP 5xx) is retried
-    on another engine, up to `max_retries` times; `failures` counts failed attempts and `retries` the
-    re-sends. An engine whose connection failed is avoided for `down_s` seconds (then tried again), so
-    the least-outstanding rule does not pour requests into a dead engine. `on_failure`, if set, is awaited
-    with the failed client before the retry (the orchestrator restarts the engine there, and may change
-    `client.url`).
-
-    Utilisation: an engine is busy while at least one request sent through this balancer is outstanding on
-    it (a failed attempt counts until it fails). `metrics()` reports the busy seconds summed over engines
-    and the idle share 1 - busy / (elapsed x engines), both cumulative since creation or `reset_usage()`.
-    """
-
-    def __init__(
-        self, clients: list[SGLangClient], sampling: SamplingConfig, max_retries: int = 3, down_s: float = 10.0
-    ) -> None:
-        if not clients:
-            raise ValueError("EngineBalancer needs at least one engine")
-        if max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        self.clients, self.sampling, self.max_retries, self.down_s = list(clients), sampling, max_retries, down_s
-        self.requests = 0
-        self.retries = 0
-        self.failures = 0
-        self.failures_by_engine = [0] * len(self.clients)
-        self.on_failure: Callable[[SGLangClient], Awaitable[None]] | None = None
-        self._down_until = [0.0] * len(self.clients)
-        self._next = 0
-        self._inflight = [0] * len(self.clients)
-        self._busy_since = [0.0] * len(self.clients)
-        self._busy_s = [0.0] * len(self.clients)
-        self._usage_t0 = time.monotonic()
-
-    def reset_usage(self) -> None:
-        """Start a new utilisation window now (busy seconds back to zero; in-flight requests keep counting)."""
-        now = time.monotonic()
-        self._usage_t0 = now
-        self._busy_s = [0.0] * len(self.clients)
-        self._busy_since = [now] * len(self.clients)
-
-    def busy_seconds(self) -> list[float]:
-        """Per engine: seconds with at least one outstanding request since the window started."""
-        now, spans = time.monotonic(), zip(self._busy_s, self._busy_since, self._inflight, strict=True)
-        return [busy + (now - since if inflight else 0.0) for busy, since, inflight in spans]
-
-    async def _send(self, index: int, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
-        if self._inflight[index] == 0:
-            self._busy_since[index] = time.monotonic()
-        self._inflight[index] += 1
-        try:
-            return await self.clients[index].generate(input_ids, max_new_tokens, stop_ids, self.sampling)
-        finally:
-            self._inflight[index] -= 1
-            if self._inflight[index] == 0:
-                self._busy_s[index] += time.monotonic() - self._busy_since[index]
-
-    def _pick(self, exclude: set[int]) -> int:
-        n, now = len(self.clients), time.monotonic()
-        order = [(self._next + i) % n for i in range(n)]
-        fresh = [i for i in order if i not in exclude]
-        candidates = [i for i in fresh if self._down_until[i] <= now] or fresh or order
-        best = min(candidates, key=lambda i: self.clients[i].outstanding)  # first minimum: round robin on ties
-        self._next = (best + 1) % n
-        return best
-
-    async def __call__(self, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int]) -> Segment:
-        self.requests += 1
-        failed: set[int] = set()
-        attempt = 0
-        while True:
-            index = self._pick(failed)
-            client = self.clients[index]
-            try:
-                segment = await self._send(index, input_ids, max_new_tokens, stop_token_ids)
-            except EngineError as exc:
-                self.failures += 1
-                self.failures_by_engine[index] += 1
-                if self.failures <= 20:
-                    log.warning("engine %s failed a request (failure %d): %s", client.url, self.failures, exc)
-                if isinstance(exc, EngineUnavailableError):
-                    self._down_until[index] = time.monotonic() + self.down_s
-                if not _retryable(exc) or attempt == self.max_retries:
-                    raise
-                failed.add(index)
-                attempt += 1
-                self.retries += 1
-                if self.on_failure is not None:
-                    await self.on_failure(client)
-                    if await client.health():
-                        self._down_until[index] = 0.0
-                continue
-            self._down_until[index] = 0.0
-            return segment
-
-    def metrics(self) -> dict[str, float]:
-        busy = sum(self.busy_seconds())
-        capacity = (time.monotonic() - self._usage_t0) * len(self.clients)
-        return {
-            "rollout/engine_requests": float(self.requests),
-            "rollout/engine_retries": float(self.retries),
-            "rollout/engine_failures": float(self.failures),
-            "rollout/generator_busy_s": busy,
-            "rollout/generator_idle_share": 1.0 - busy / capacity if capacity > 0 else 0.0,
-        }

@@ -22,7 +22,7 @@ HF tensors it reads, how to build it), so an importer knows every HF name up fro
 tensors are reported before anything is read) and a rank reads only the tensors it keeps.
 The megatron -> HF direction maps one canonical tensor at a time; HF tensors that fuse several
 megatron tensors (Llama-4's per-layer expert stacks) come back as `Stacked` parts that `HFMapper`
-(convert/__init__.py) assembles.
+(models/__init__.py) assembles.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Trainer -> engines weight transfer, in flight (SCALERL.md §4, DESIGN.md "weight sync").
+"""Trainer -> engines weight transfer, in flight (docs/recipe.md §4, docs/architecture.md).
 
     sender = WeightSender(engine_urls, master_addr, master_port, rollout_cfg)
     sender.connect()                                   # once: a process group with every engine
@@ -73,7 +73,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.rollout.sglang import SGLangClient
+from megatron_rl.generator.client import SGLangClient
 
 GROUP_NAME = "megatron_rl_weight_sync"
 T = TypeVar("T")

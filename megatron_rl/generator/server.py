@@ -1,0 +1,207 @@
+"""SGLang generator engines as managed server processes: command line, port, log, lifetime, restart.
+
+    server = SGLangServer(model_dir, engine_cfg, run_dir / "logs/engine0.log"); server.start()
+    await server.wait_ready()                    # /health answers, or EngineError with the log's tail
+    server.url                                   # for generator/client.py
+
+On CPU the server runs SGLang's torch-native path (`SGLANG_USE_CPU_ENGINE=1`, `--device cpu
+--attention-backend torch_native`), installed by tools/install_sglang.sh (docs/cpu.md §4).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO
+
+import aiohttp
+
+from megatron_rl.config import EngineConfig
+from megatron_rl.generator.client import EngineTimeoutError, EngineUnavailableError
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
+"""KV-cache pool size on CPU when none is given: SGLang would otherwise size it from a fraction of host RAM,
+which on a shared machine takes memory other processes need."""
+
+
+SERVER_KEEPALIVE_S = 60
+"""Idle keep-alive of the servers we start (SGLang's uvicorn default is 5 s)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _port_is_free(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+class SGLangServer:
+    """One `python -m sglang.launch_server` process group: its command line, port, log and lifetime.
+
+    The server runs in its own session (process group), so `stop()` ends the HTTP process, the scheduler
+    and the detokenizer together, also when the HTTP process died first. Output goes to `log_path`
+    (appended, one header line per start); errors quote its tail.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        cfg: EngineConfig,
+        log_path: str | Path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        max_total_tokens: int | None = None,
+    ) -> None:
+        self.model_path, self.cfg, self.log_path = Path(model_path), cfg, Path(log_path)
+        self.host = host
+        self.port = port or free_port(host)
+        if max_total_tokens is None and cfg.device == "cpu":
+            max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
+        self.max_total_tokens = max_total_tokens
+        self.process: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self.started_at = 0.0
+        self.ready_seconds = 0.0
+        """Seconds from the last start() to ready (set by wait_ready)."""
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path)]
+        cmd += ["--host", self.host, "--port", str(self.port), "--tp-size", str(self.cfg.tp)]
+        cmd += ["--dtype", self.cfg.dtype, "--weight-version", "0", "--mem-fraction-static", str(self.cfg.mem_fraction)]
+        if self.max_total_tokens:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.cfg.device == "cpu":
+            # CPU: SGLang's torch-native attention (no kernels), no CUDA graphs, and no warm-up request
+            # (a tiny model needs none; it costs seconds of start-up on 2 cores).
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
+            cmd += ["--skip-server-warmup"]
+        if self.cfg.fp32_lm_head:
+            cmd += ["--enable-fp32-lm-head"]  # logits (hence sampling and log-probs) in fp32, docs/recipe.md §3
+        return cmd + list(self.cfg.extra_args)
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))
+        if self.cfg.device == "cpu":
+            env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform defaults (no CUDA probing)
+        return env
+
+    def start(self) -> None:
+        if self.alive():
+            raise RuntimeError(f"SGLang server on port {self.port} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        command = self.command()
+        self._log.write(f"\n=== megatron_rl: {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
+        self._log.flush()
+        self.started_at = time.monotonic()
+        self.process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,  # its own process group, so stop() reaches the scheduler processes too
+        )
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, lines: int = 40, max_bytes: int = 65536) -> str:
+        if not self.log_path.exists():
+            return "(no log)"
+        with self.log_path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - max_bytes))
+            text = f.read().decode(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        """Wait until `/health` answers 200; raise EngineError with the log tail if the server exits or
+        is not ready in time (then it is stopped)."""
+        if self.process is None:
+            raise RuntimeError("SGLangServer.start() first")
+        deadline = time.monotonic() + timeout_s
+        probe = aiohttp.ClientTimeout(total=5)
+        async with aiohttp.ClientSession(timeout=probe) as session:
+            while True:
+                if not self.alive():
+                    code = self.process.returncode if self.process else None
+                    self.stop()
+                    message = f"SGLang server exited with code {code} while starting; log {self.log_path}:"
+                    raise EngineUnavailableError(self.url, f"{message}\n{self.log_tail()}")
+                with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                    async with session.get(f"{self.url}/health") as response:
+                        if response.status == 200:
+                            self.ready_seconds = time.monotonic() - self.started_at
+                            return
+                if time.monotonic() > deadline:
+                    self.stop()
+                    message = f"SGLang server not ready after {timeout_s:.0f} s; log {self.log_path}:"
+                    raise EngineTimeoutError(self.url, f"{message}\n{self.log_tail()}")
+                await asyncio.sleep(poll_s)
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """End the whole process group: SIGTERM, then SIGKILL after `grace_s`."""
+        if self.process is not None:
+            pgid = self.process.pid  # the leader of its own session: its pid is the group id
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            while self._group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if self._group_alive(pgid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pgid, signal.SIGKILL)
+                self.process.wait()
+                deadline = time.monotonic() + 30.0  # SIGKILL is not refused; only unreaped zombies could stay
+                while self._group_alive(pgid) and time.monotonic() < deadline:
+                    time.sleep(0.1)
+            self.process = None
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def _group_alive(self, pgid: int) -> bool:
+        if self.process is not None:
+            self.process.poll()  # reap the leader, or it stays a zombie member of the group
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
+    async def restart(self, timeout_s: float = 600.0, grace_s: float = 20.0) -> None:
+        """Stop (SIGKILL after `grace_s`) and start again (on the same port if it is still free), then wait
+        until ready."""
+        self.stop(grace_s)
+        if not _port_is_free(self.host, self.port):
+            self.port = free_port(self.host)
+        self.restarts += 1
+        self.start()
+        await self.wait_ready(timeout_s)
