@@ -1,4 +1,4 @@
-"""The RL train step on Megatron-Core (SCALERL.md §2-3).
+"""The RL train step on Megatron-Core (docs/recipe.md §2-3).
 
     trainer = Trainer(run_config)            # joins the process groups, builds model + optimizer
     metrics = trainer.train_step(groups)     # one optimizer step on a batch of groups; version += 1
@@ -191,6 +191,32 @@ def count_params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+class StepSums:
+    """What one train step sums over its micro-batches, by name, then over the trainer's ranks in one
+    all-reduce together with the ranks' non-finite gradient counts (the vote that skips a step). The sums stay
+    on the device until then: no host sync per micro-batch."""
+
+    NAMES = ("loss", "loss_tokens", "clipped_tokens", "abs_logratio", "entropy")
+
+    def __init__(self) -> None:
+        self.values: dict[str, Tensor] = {}
+
+    def add(self, **terms: Tensor) -> None:
+        for name, value in terms.items():
+            value = value.detach().double()
+            self.values[name] = self.values[name] + value if name in self.values else value
+
+    def reduce(self, counted: bool, nonfinite_grads: Tensor) -> dict[str, float]:
+        """The sums over the ranks whose sums are `counted`, and `nonfinite_grads` summed over all ranks."""
+        device = nonfinite_grads.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        local = [self.values[name].to(device) if counted and name in self.values else zero for name in self.NAMES]
+        stacked = torch.stack([*local, nonfinite_grads.double()])
+        if dist.get_world_size() > 1:
+            dist.all_reduce(stacked)
+        return dict(zip((*self.NAMES, "nonfinite_grads"), stacked.tolist(), strict=True))
+
+
 class Trainer:
     """One trainer rank: the model chunk, its optimizer, and the train step."""
 
@@ -348,7 +374,7 @@ class Trainer:
         sequences = sequences_from_groups(groups, self.run)
         micro_batches = self._micro_batches(sequences)
         algo = self.run.algo
-        sums = torch.zeros(6, dtype=torch.float64)  # loss, loss tokens, clipped, |logratio|, entropy, count
+        sums = StepSums()
 
         def loss_fn(logprobs_T: Tensor, micro_batch: MicroBatch, record: dict[str, Any]) -> tuple[Any, ...]:
             gen_T, adv_T, mask_T, weight_T = (t.to(logprobs_T.device) for t in micro_batch.token_data())
@@ -362,18 +388,12 @@ class Trainer:
                 len(micro_batch.sequences),
                 weight_T,
             )
-            entropy_T = record["entropy"]
-            sums.add_(
-                torch.stack(
-                    [
-                        loss.detach().double().cpu(),
-                        stats["loss_tokens"].cpu(),
-                        stats["clipped_tokens"].cpu(),
-                        stats["abs_logratio_sum"].cpu(),
-                        entropy_T[mask_T].double().sum().cpu(),
-                        torch.tensor(0.0, dtype=torch.float64),
-                    ]
-                )
+            sums.add(
+                loss=loss.detach(),
+                loss_tokens=stats["loss_tokens"],
+                clipped_tokens=stats["clipped_tokens"],
+                abs_logratio=stats["abs_logratio_sum"],
+                entropy=record["entropy"][mask_T].double().sum(),
             )
             return loss, torch.tensor(int(mask_T.sum()), dtype=torch.int), {"loss": loss.detach()}
 
@@ -383,48 +403,41 @@ class Trainer:
         self.optimizer.zero_grad()
         self._run_schedule(micro_batches, forward_only=False, loss_fn=loss_fn)
 
-        # Loss and metric sums live on the last pipeline stage of each data-parallel rank: sum them all.
+        # The loss and metric sums live on the last pipeline stage of each data-parallel rank (TP rank 0 counts
+        # them once); every rank votes on its own gradients. One all-reduce sums both over the trainer.
         from megatron.core import parallel_state
 
-        if not parallel_state.is_pipeline_last_stage() or parallel_state.get_tensor_model_parallel_rank() != 0:
-            sums.zero_()
-        if dist.get_world_size() > 1:
-            dist.all_reduce(sums)
-        finite = torch.tensor([float(math.isfinite(float(sums[0])) and self._grads_finite())])
-        if dist.get_world_size() > 1:
-            dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-
-        metrics: dict[str, float] = {}
-        if finite.item() < 1:
-            self.skipped_steps += 1
-            self.ddp.zero_grad_buffer()
-            self.optimizer.zero_grad()
-            grad_norm = float("nan")
-        else:
+        counted = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+        totals = sums.reduce(counted, nonfinite_grads=self._nonfinite_grads())
+        loss_tokens = max(totals["loss_tokens"], 1.0)
+        if math.isfinite(totals["loss"]) and totals["nonfinite_grads"] == 0:
             _, grad_norm, _ = self.optimizer.step()
             self.optimizer_has_state = True
             self.step += 1
+            lr = self._last_lr()
+        else:  # a non-finite loss or gradient on any rank: the step is skipped everywhere, and counted
+            self.skipped_steps += 1
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            grad_norm, lr = float("nan"), self._learning_rate()
         elapsed = time.perf_counter() - started
         tokens = sum(len(s.tokens) for s in sequences)
-        loss_tokens = max(float(sums[1]), 1.0)
         flops = 6.0 * self.num_params * tokens  # forward + backward of a dense equivalent
-        metrics.update(
-            {
-                "train/loss": float(sums[0]),
-                "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "train/entropy": float(sums[4]) / loss_tokens,
-                "train/mismatch": float(sums[3]) / loss_tokens,
-                "train/clip_frac": float(sums[2]) / loss_tokens,
-                "train/lr": self._learning_rate() if finite.item() < 1 else self._last_lr(),
-                "train/skipped_steps": float(self.skipped_steps),
-                "train/tokens": float(tokens),
-                "train/loss_tokens": float(sums[1]),
-                "train/micro_batches": float(len(micro_batches)),
-                "train/step_time_s": elapsed,
-                "train/tokens_per_s": tokens / elapsed,
-                "train/tflops_per_device": flops / elapsed / self.info.world_size / 1e12,
-            }
-        )
+        metrics = {
+            "train/loss": totals["loss"],
+            "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "train/entropy": totals["entropy"] / loss_tokens,
+            "train/mismatch": totals["abs_logratio"] / loss_tokens,
+            "train/clip_frac": totals["clipped_tokens"] / loss_tokens,
+            "train/lr": lr,
+            "train/skipped_steps": float(self.skipped_steps),
+            "train/tokens": float(tokens),
+            "train/loss_tokens": totals["loss_tokens"],
+            "train/micro_batches": float(len(micro_batches)),
+            "train/step_time_s": elapsed,
+            "train/tokens_per_s": tokens / elapsed,
+            "train/tflops_per_device": flops / elapsed / self.info.world_size / 1e12,
+        }
         peak = _peak_flops()
         if peak:
             metrics["train/mfu"] = flops / elapsed / self.info.world_size / peak
@@ -433,14 +446,16 @@ class Trainer:
     def _last_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _grads_finite(self) -> bool:
+    def _nonfinite_grads(self) -> Tensor:
+        """How many of this rank's gradient tensors hold a NaN or Inf, as a device scalar: no host sync per
+        parameter (megatron's DDP keeps gradients in `main_grad`)."""
+        flags = []
         for param in self.model.parameters():
             grad = getattr(param, "main_grad", None)
-            if grad is None:
-                grad = param.grad
-            if grad is not None and not bool(torch.isfinite(grad).all()):
-                return False
-        return True
+            grad = param.grad if grad is None else grad
+            if grad is not None:
+                flags.append(torch.isfinite(grad).all().logical_not())
+        return torch.stack(flags).sum() if flags else torch.zeros((), device=self.info.device)
 
     @torch.no_grad()
     def compute_logprobs(self, groups: list[Group]) -> list[list[float]]:

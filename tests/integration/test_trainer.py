@@ -377,6 +377,19 @@ def test_trainer_collectives_only_pass_tensors_the_gpu_process_groups_serve(tmp_
         assert ("all_reduce", "default", "cpu") in _illegal_on_a_gpu_node(calls, device, "nccl")
 
 
+def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    """DP 2: a NaN in one rank's gradients at the second of three steps. Both ranks skip that step (weights
+    unchanged, version not advanced, counted), then train on: one vote over the trainer, not per rank."""
+    spec = {"overrides": LR + ["parallel.trainer_devices=2"], "steps": 3, "nan_grad": [1, 1]}
+    for rank in _run(tmp_path, "nan", spec, world=2):
+        steps = rank["steps"]
+        assert [s["train/skipped_steps"] for s in steps] == [0.0, 1.0, 1.0]
+        assert rank["versions"] == [1, 1, 2]
+        assert rank["weights"][1] == rank["weights"][0] != rank["weights"][2]
+        assert math.isnan(steps[1]["train/grad_norm"]) and math.isfinite(steps[2]["train/grad_norm"])
+        assert math.isfinite(steps[1]["train/loss"])  # the loss was fine: the gradient alone skips the step
+
+
 def test_a_sequence_longer_than_a_micro_batch_stops_before_any_collective(tmp_path):
     spec = {"model": "cpu_demo", "overrides": LR, "batch": {"completion_len": [600, 601]}, "out": str(tmp_path / "x")}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")

@@ -213,14 +213,25 @@ def main(spec: dict) -> None:
     if spec.get("dump_state"):
         state = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
         torch.save({"state": state, "batch": batch}, spec["dump_state"])
-    for _ in range(spec.get("steps", 0)):
+    for step in range(spec.get("steps", 0)):
+        poison = None
+        if spec.get("nan_grad") == [torch.distributed.get_rank(), step]:  # a NaN gradient on this rank, this step
+            first = next(p for p in trainer.model.parameters() if p.requires_grad)
+            poison = first.register_hook(lambda grad: grad * float("nan"))
         if spec.get("on_policy"):  # generator log-probs = the current policy's: the loss is the PG objective
             logprobs = iter(trainer.compute_logprobs(batch))
             for group in batch:
                 for completion in group.completions:
                     completion.gen_logprobs = next(logprobs)
         metrics = trainer.train_step(batch)
-        result["steps"].append({k: metrics[k] for k in ("train/loss", "train/grad_norm", "train/mismatch")})
+        if poison is not None:
+            poison.remove()
+        keys = ("train/loss", "train/grad_norm", "train/mismatch", "train/skipped_steps", "train/lr")
+        result["steps"].append({k: metrics[k] for k in keys})
+        result.setdefault("versions", []).append(trainer.step)
+        result.setdefault("weights", []).append(
+            float(sum(p.detach().double().abs().sum() for p in trainer.model.parameters()))
+        )
         if checkpoints is not None:
             result["checkpoints"].append(_take(checkpoints))
         if spec.get("save_after") == len(result["steps"]):
