@@ -90,7 +90,7 @@ def main() -> None:
                 input_ids=ids,
                 attention_mask=mask,
                 do_sample=True,
-                temperature=run.eval.temperature,
+                temperature=run.rollout.sampling.temperature,
                 top_k=0,
                 top_p=1.0,
                 max_new_tokens=max_new,

@@ -262,6 +262,18 @@ class RecomputeConfig:
             _fail("modules", "selective recompute needs at least one module")
 
 
+def check_norm_recompute(recompute: RecomputeConfig, te: bool) -> None:
+    """megatron-core 0.19.2 recomputes norms (`layernorm` in selective recompute) only with Transformer Engine:
+    its CheckpointWithoutOutput reads TE's FP8 state unconditionally. Checked at config for the layer spec the
+    run's trainer will use (RunConfig.check_recompute) and again where the model is built (trainer/model.py)."""
+    if recompute.granularity == "selective" and "layernorm" in recompute.modules and not te:
+        _fail(
+            "trainer.recompute.modules",
+            "'layernorm' needs Transformer Engine (megatron-core's norm recompute reads TE's FP8 state); use "
+            "core_attn, mlp, moe or shared_experts with the local layer spec",
+        )
+
+
 @dataclass
 class PerformanceConfig:
     """GPU kernels and fusions. null = on when the trainer runs Transformer Engine on CUDA, off otherwise
@@ -635,8 +647,8 @@ class EvalConfig:
     every_steps: int = 100
     """Validation every N optimizer steps, and at step 0 (R0 of the scaling law)."""
     samples_per_prompt: int = 16
-    """mean@k: the paper's mean@16."""
-    temperature: float = 1.0
+    """mean@k: the paper's mean@16, sampled as training samples (`rollout.sampling`: same engines, temperature
+    and top-p), so the validation pass rate measures the policy that RL trains."""
 
     def __post_init__(self) -> None:
         if self.every_steps < 1:
@@ -749,11 +761,19 @@ class RunConfig:
         self.check_recompute()
         self.check_row_budget(phrase_tokens=0)
 
+    @property
+    def trainer_uses_transformer_engine(self) -> bool:
+        """Whether the trainer builds with Transformer Engine's layer spec where it runs: a GPU run (the GPU
+        image installs TE) whose `trainer.layer_spec` is not local; never on a CPU run."""
+        return self.compute.device_kind == "gpu" and self.trainer.layer_spec != "local"
+
     def check_recompute(self) -> None:
-        """megatron-core 0.19.2's rule (TransformerConfig.__post_init__): selective recompute of `moe_act` only
-        with `moe_grouped_gemm`, which is off for a dense model and, when `trainer.performance.moe_grouped_gemm`
-        is null, on only where the trainer runs Transformer Engine (a GPU run whose layer_spec is not local)."""
+        """megatron-core 0.19.2's rules for selective recompute, for the layer spec the trainer will use: norms
+        only with Transformer Engine (`check_norm_recompute`); `moe_act` only with `moe_grouped_gemm`
+        (TransformerConfig.__post_init__), which is off for a dense model and, when
+        `trainer.performance.moe_grouped_gemm` is null, on only where the trainer runs Transformer Engine."""
         rc, t = self.trainer.recompute, self.trainer
+        check_norm_recompute(rc, self.trainer_uses_transformer_engine)
         if rc.granularity != "selective" or "moe_act" not in rc.modules:
             return
         setting = t.performance.moe_grouped_gemm

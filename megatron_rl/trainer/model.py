@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config import ModelConfig, ParallelConfig, RecomputeConfig, TrainerConfig
+from megatron_rl.config import ModelConfig, ParallelConfig, RecomputeConfig, TrainerConfig, check_norm_recompute
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -70,12 +70,7 @@ def meta_performance_settings(trainer: TrainerConfig) -> dict[str, bool]:
 
 def recompute_settings(recompute: RecomputeConfig, te: bool) -> dict[str, Any]:
     """`trainer.recompute` as megatron-core's TransformerConfig fields."""
-    if recompute.granularity == "selective" and "layernorm" in recompute.modules and not te:
-        # megatron-core 0.19.2's CheckpointWithoutOutput reads Transformer Engine's FP8 state unconditionally.
-        raise ValueError(
-            "trainer.recompute.modules: 'layernorm' needs Transformer Engine (megatron-core's norm recompute "
-            "reads TE's FP8 state); use core_attn, mlp, moe or shared_experts with the local layer spec"
-        )
+    check_norm_recompute(recompute, te)  # at config already, for the spec the run's nodes use; here for this host's
     if recompute.granularity == "none":
         return dict(recompute_granularity=None)
     if recompute.granularity == "selective":

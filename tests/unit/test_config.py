@@ -164,6 +164,27 @@ def test_recompute_module_megatron_cannot_run_on_cpu_is_refused_at_start():
     assert recompute_settings(RecomputeConfig(), te=False) == dict(recompute_granularity=None)
 
 
+@pytest.mark.parametrize(
+    ("recipe", "model_name", "overrides", "refused"),
+    [
+        ("scalerl-cpu", "cpu_demo", [], True),  # a CPU run never has Transformer Engine
+        ("scalerl", "llama3_8b", ["trainer.layer_spec=local"], True),
+        ("scalerl", "llama3_8b", [], False),  # the GPU image's Transformer Engine
+        ("scalerl", "llama3_8b", ["trainer.layer_spec=transformer_engine"], False),
+    ],
+)
+def test_norm_recompute_is_refused_at_config_where_the_nodes_have_no_transformer_engine(
+    recipe, model_name, overrides, refused
+):
+    """`check` refuses what the node's model build would: selective recompute of the norms without TE."""
+    norms = ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn,layernorm]"]
+    if refused:
+        with pytest.raises(ConfigError, match="trainer.recompute.modules: 'layernorm' needs Transformer Engine"):
+            load_config(recipe, model_name, [*overrides, *norms])
+    else:
+        assert load_config(recipe, model_name, [*overrides, *norms]).trainer.recompute.modules[-1] == "layernorm"
+
+
 @pytest.mark.parametrize("recipe", ["scalerl", "scalerl-cpu"])
 @pytest.mark.parametrize("model_name", ["tiny_moe", "tiny_dense"])
 @pytest.mark.parametrize("layer_spec", ["auto", "local"])
