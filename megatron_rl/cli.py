@@ -129,7 +129,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if args.allocation:
         check_allocation(config, args.allocation)
     if config.compute.device_kind != "gpu":
-        raise ConfigError("compute.device_kind: the memory plan is for GPU runs (this run counts CPU cores)")
+        print(
+            f"memory plan: {config.recipe} runs on CPU cores (compute.device_kind={config.compute.device_kind}); "
+            "the plan sizes GPU memory, so there is nothing to plan. Plan a GPU recipe, e.g. --recipe scalerl"
+        )
+        return 0
     check_memory(config)
     return 0
 

@@ -188,16 +188,17 @@ def stage_parameters(run: RunConfig, stage: int) -> StageParameters:
     nothing on a GPU and creates no CUDA context. A layout megatron-core refuses is a ConfigError naming the
     field.
     """
+    from megatron_rl.trainer import quiet_megatron
+
+    quiet_megatron()  # before megatron-core's first import: it warns about TE, Apex and absl as it loads
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from megatron_rl.trainer import quiet_megatron
     from megatron_rl.trainer.model import build_model, output_weight
 
     _megatron_on_cpu()
-    quiet_megatron()
     p = run.parallel
     if dist.is_initialized():
         raise RuntimeError("megatron_rl.plan: needs a process without a process group (it forms fake ones)")

@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     imp.add_argument("--params-dtype", choices=("bf16", "fp32"), default="bf16", help="trainer.params_dtype")
     imp.add_argument("--no-fp32-lm-head", action="store_true", help="keep the output layer in --params-dtype")
     exp = parser.add_argument_group("--to-hf")
-    exp.add_argument("--hf-source", help="HF directory for config.json and tokenizer (default: model.hf_path)")
+    exp.add_argument(
+        "--hf-source",
+        help="HF directory for config.json and tokenizer (default: model.hf_path, else the run's starting model)",
+    )
     exp.add_argument("--shard-size", default="5GB", help="largest safetensors shard (5GB, 500MB, ...)")
     exp.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), help="cast every tensor (default: as saved)")
     exp.add_argument("--no-progress", action="store_true", help="no progress bar")

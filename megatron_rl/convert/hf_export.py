@@ -35,6 +35,7 @@ from megatron_rl.convert.checkpoint_reader import CheckpointReader, Region
 from megatron_rl.convert.hf_files import ShardedWriter, copy_side_files, parse_size
 from megatron_rl.convert.runtime import megatron_process
 from megatron_rl.models import FAMILIES, HFMapper, family, family_of, hf_configs, hf_plan, read_hf_config
+from megatron_rl.trainer.checkpoint import starting_model
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -212,11 +213,13 @@ def export_hf(
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype: expected one of {sorted(DTYPES)} or None, got {dtype!r}")
     params_dtype = meta.get("params_dtype", "bf16")
-    source = Path(hf_source) if hf_source else (Path(cfg.hf_path) if cfg.hf_path else None)
-    if source is not None and not source.is_dir():
-        if hf_source:
-            raise FileNotFoundError(f"hf_source: {source} is not a directory")
-        source = None  # the run's start checkpoint is gone: generate config.json, no tokenizer
+    if hf_source and not Path(hf_source).is_dir():
+        raise FileNotFoundError(f"hf_source: {hf_source} is not a directory")
+    # Else the model's hf_path, or the HF directory the run recorded as its start (the CPU run's warmed-up
+    # tiny model); when both are gone, config.json is generated and no tokenizer is written.
+    candidates = [Path(hf_source)] if hf_source else [Path(p) for p in (cfg.hf_path,) if p]
+    candidates.append(starting_model(path))  # type: ignore[arg-type]
+    source = next((c for c in candidates if c is not None and c.is_dir()), None)
     out = Path(out_dir)
     if out.exists() and any(out.glob("*.safetensors")):
         raise FileExistsError(f"{out}: already holds safetensors files")

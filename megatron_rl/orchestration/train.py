@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
 import signal
 import time
@@ -47,10 +46,7 @@ from megatron_rl.rollout.interruption import InterruptionTokens
 from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline, validate
 from megatron_rl.scaling import live_prediction
 from megatron_rl.scaling.cli import main as fit_main
-from megatron_rl.trainer.checkpoint import latest_checkpoint
-
-STARTING_MODEL = "starting_model.json"
-"""In the run directory: the HF directory RL started from (its tokenizer, config.json), for `convert --to-hf`."""
+from megatron_rl.trainer.checkpoint import latest_checkpoint, record_starting_model
 
 
 class RunStopped(RuntimeError):
@@ -251,7 +247,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
 
         get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
     policy = prepare_policy(run, splits)
-    (run_dir / STARTING_MODEL).write_text(json.dumps({"path": str(policy.resolve())}))
+    record_starting_model(run_dir, policy)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
     tokens = _interruption_tokens(run, tokenizer)

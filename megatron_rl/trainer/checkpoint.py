@@ -46,6 +46,26 @@ TMP_PREFIX = ".tmp_"
 short, a checkpoint being replaced or pruned. `latest` never names one; the next save removes them."""
 
 
+STARTING_MODEL = "starting_model.json"
+"""In a run directory: the Hugging Face directory the run started from (config.json, tokenizer, chat template), so
+that an export of any of its checkpoints carries a loadable tokenizer (`convert --to-hf`)."""
+
+
+def record_starting_model(run_dir: Path, hf_dir: Path) -> None:
+    (run_dir / STARTING_MODEL).write_text(json.dumps({"path": str(Path(hf_dir).resolve())}) + "\n")
+
+
+def starting_model(checkpoint: Path) -> Path | None:
+    """The HF directory the run of `checkpoint` (`<run>/checkpoints/step_N`, or the checkpoint root) started
+    from, when the run recorded it and the directory is still there."""
+    for run_dir in (checkpoint.parent.parent, checkpoint.parent):
+        record = run_dir / STARTING_MODEL
+        if record.is_file():
+            path = Path(json.loads(record.read_text())["path"])
+            return path if path.is_dir() else None
+    return None
+
+
 class CheckpointError(RuntimeError):
     """The checkpoints directory cannot be resumed from as it is."""
 

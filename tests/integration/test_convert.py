@@ -262,3 +262,17 @@ def test_trainer_imports_and_its_own_checkpoint_exports_back(tmp_path, hf_dirs):
     done = _cli("--to-hf", str(root), "--out", str(tmp_path / "hf"), "--hf-source", str(hf), "--no-progress")
     assert done.returncode == 0, done.stderr[-4000:]
     _assert_bit_identical(_hf_tensors(tmp_path / "hf"), _hf_tensors(hf))
+
+    # Without --hf-source: the tokenizer of the model the run recorded as its start (a run directory holds
+    # `checkpoints/` and starting_model.json), so that the export of any run loads with its tokenizer.
+    from transformers import AutoTokenizer
+
+    from megatron_rl.trainer.checkpoint import record_starting_model
+
+    done = _cli("--to-hf", str(root), "--out", str(tmp_path / "bare"))
+    assert done.returncode == 0 and "no tokenizer files" in done.stderr
+    record_starting_model(tmp_path, hf)
+    done = _cli("--to-hf", str(root), "--out", str(tmp_path / "recorded"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    text = "What is 12 + 30?"
+    assert AutoTokenizer.from_pretrained(tmp_path / "recorded")(text) == AutoTokenizer.from_pretrained(hf)(text)

@@ -35,6 +35,19 @@ def test_slurm_scripts_fit_their_allocation(script):
     assert "plan: fits" in result.stdout and "allocation:" in result.stdout
 
 
+def test_the_plan_prints_its_table_without_library_noise_and_says_plainly_when_a_run_is_on_cpu():
+    """Python's default warning filters (not the PYTHONWARNINGS=ignore of the other tests): megatron-core's
+    import-time warnings about TE, Apex and absl stay out of the output; a CPU recipe is not an error."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    command = [sys.executable, "-m", "megatron_rl.cli", "plan"]
+    gpu = subprocess.run([*command, "--model", "llama3_8b"], capture_output=True, text=True, env=env, timeout=600)
+    assert gpu.returncode == 0, gpu.stdout + gpu.stderr
+    assert gpu.stdout.startswith("memory plan: llama3_8b") and "Warning" not in gpu.stdout + gpu.stderr
+    cpu = subprocess.run([*command, "--recipe", "scalerl-cpu"], capture_output=True, text=True, env=env, timeout=600)
+    assert cpu.returncode == 0 and cpu.stderr == ""
+    assert cpu.stdout.startswith("memory plan: scalerl-cpu runs on CPU cores") and "error" not in cpu.stdout
+
+
 @pytest.mark.parametrize("model", ["qwen3_8b", "qwen3_30b_a3b", "qwen3_4b"])
 def test_every_shipped_layout_fits_its_device(model):
     result = _plan("--model", model)
