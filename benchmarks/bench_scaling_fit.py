@@ -4,7 +4,7 @@ autocorrelated noise), paper procedure vs ours.
     OMP_NUM_THREADS=1 python benchmarks/bench_scaling_fit.py [--seeds 100] [--paper-seeds 5] [--json out.json]
     OMP_NUM_THREADS=1 python benchmarks/bench_scaling_fit.py --only autocorrelation --seeds 100
 
-Curves (megatron_rl/scaling/synthetic.py): Table 1 parameters (SCALERL.md §1), R0 = 0.30, the step-0 point
+Curves (megatron_rl/scaling/synthetic.py): Table 1 parameters (docs/recipe.md §1), R0 = 0.30, the step-0 point
 plus 75 evaluations evenly spaced in compute (an evaluation every 100 steps at a constant cost per step)
 up to 10 x C_mid (the math+code curves share one run: 10 x the math C_mid), Gaussian noise; warm-up cut
 at the paper's 1.5k GPU-hours. A second geometry repeats the 8B run of the paper's Figure 1 (74

@@ -7,7 +7,7 @@ This module owns the shape of a megatron_rl run. A run is one `RunConfig`, built
 and validated on construction: every error names the dotted field to change and, for a choice, the
 allowed values. The resolved config is written into the run directory (`save_config`).
 
-Defaults are the ScaleRL recipe of ../shared/SCALERL.md (the paper's values); choices the paper leaves
+Defaults are the ScaleRL recipe of docs/recipe.md (the paper's values); choices the paper leaves
 open are marked "(ours)" in the field docstrings.
 
 This module imports no torch, Megatron, SGLang or Ray (tests/unit/test_config.py proves it): the CLI,
@@ -297,7 +297,7 @@ class PerformanceConfig:
 
 @dataclass
 class OptimizerConfig:
-    """AdamW with a linear warm-up to a constant learning rate (SCALERL.md §6)."""
+    """AdamW with a linear warm-up to a constant learning rate (docs/recipe.md §6)."""
 
     lr: float = 5e-7
     warmup_steps: int = 100
@@ -328,7 +328,7 @@ class TrainerConfig:
     params_dtype: Literal["bf16", "fp32"] = "bf16"
     """Dtype of the transformer body. CPU tests use fp32 for exact comparisons."""
     fp32_lm_head: bool = True
-    """Output layer weights, matmul and log-softmax in fp32 (SCALERL.md §3; `loo-fp32` turns it off)."""
+    """Output layer weights, matmul and log-softmax in fp32 (docs/recipe.md §3; `loo-fp32` turns it off)."""
     micro_batch_tokens: int = 16512
     """Token budget of one packed micro-batch (padding included). It must hold the longest sequence a rollout
     can produce: max_prompt_tokens + max_thinking_tokens + the interruption phrase + answer_tokens (ScaleRL:
@@ -360,7 +360,7 @@ class TrainerConfig:
 # Algorithm
 
 LOSS_DEFAULT_EPS: dict[str, tuple[float, float]] = {
-    # Paper's working values (SCALERL.md §2): (eps_low, eps_high) of the PPO-style clip.
+    # Paper's working values (docs/recipe.md §2): (eps_low, eps_high) of the PPO-style clip.
     "gspo": (3e-3, 5e-3),
     "dapo": (0.2, 0.28),
     "grpo": (0.2, 0.2),
@@ -436,7 +436,7 @@ class AlgoConfig:
 
 @dataclass
 class InterruptionConfig:
-    """Length control by interruption (SCALERL.md §5)."""
+    """Length control by interruption (docs/recipe.md §5)."""
 
     enabled: bool = True
     min_thinking_tokens: int = 10240
@@ -482,7 +482,7 @@ class EngineConfig:
     tp: int = 1
     """Tensor-parallel size of one SGLang engine (GPUs per engine)."""
     fp32_lm_head: bool = True
-    """Start SGLang with its fp32 LM-head flag (SCALERL.md §3)."""
+    """Start SGLang with its fp32 LM-head flag (docs/recipe.md §3)."""
     mem_fraction: float = 0.85
     dtype: Literal["bfloat16", "float32", "auto"] = "bfloat16"
     device: Literal["cuda", "cpu"] = "cuda"
@@ -507,7 +507,7 @@ class RolloutConfig:
     """Max policy versions between generation and use (pipeline), or minibatches per sync (off-policy)."""
     staleness: Literal["wait", "drop"] = "wait"
     """How k is kept: wait = the trainer waits for groups that would otherwise grow more than k versions
-    old (SCALERL.md §4, the paper's rule: nothing is dropped); drop = groups over k are dropped and counted
+    old (docs/recipe.md §4, the paper's rule: nothing is dropped); drop = groups over k are dropped and counted
     (`train/stale_dropped`), which drops the longest completions most often."""
     prompts_per_step: int = 48
     generations_per_prompt: int = 16

@@ -6,9 +6,10 @@ header says so): the x-axis of the scaling law. Validation rows add `val/pass_ra
 tasks) and `val/pass_rate/<task>`. The first line of the file is a header `{"run": {...}}` with the run's
 name, recipe, model and device kind.
 
-Metric names follow SCALERL.md §2: `train/truncation_rate`, `train/abs_logprob_diff`,
-`train/clipped_token_share`, `train/entropy`, `train/staleness_mean` / `_max`, `train/effective_groups`,
-`train/reward`, `train/response_length`.
+The per-step metrics of docs/recipe.md §2 are logged as `train/truncation_rate`, `train/mismatch` (mean |log
+pi_train - log pi_gen| on loss tokens), `train/clip_frac` (share of loss tokens whose ratio was truncated or
+clipped), `train/entropy`, `train/staleness_mean` / `_max`, `train/effective_groups`, `train/reward`,
+`train/response_length`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ CONSOLE_FIELDS = [
     ("train/loss", "loss", "{:+.4f}"),
     ("train/grad_norm", "gnorm", "{:.3f}"),
     ("train/truncation_rate", "trunc", "{:.1%}"),
-    ("train/abs_logprob_diff", "|dlogp|", "{:.4f}"),
+    ("train/mismatch", "|dlogp|", "{:.4f}"),
     ("train/staleness_mean", "stale", "{:.2f}"),
     ("train/effective_groups", "groups", "{:.0f}"),
     ("time/step_s", "s", "{:.1f}"),

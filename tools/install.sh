@@ -8,7 +8,7 @@
 #    newer torch would otherwise pull several GB of CUDA builds onto a CPU machine.
 # 2. megatron-core 0.19.2 without its Python check. Every megatron-core release from 0.17 declares
 #    Requires-Python >= 3.12, so pip on 3.11 would silently pick 0.16.1; the 0.19.2 wheel itself is
-#    tagged cp311 and runs on 3.11 (../shared/FINDINGS.md). We take 0.19.2 over 0.16.1 for what the
+#    tagged cp311 and runs on 3.11 (docs/cpu.md §2). We take 0.19.2 over 0.16.1 for what the
 #    recipe needs: Llama-4 pieces (qk_l2_norm, no_rope_freq, shared experts, router probs on the input),
 #    GPTModel's output processor for the FP32 head, and fixes to the MoE router without Transformer
 #    Engine (0.16.1 references te_general_gemm unbound). Its dependencies are installed by hand

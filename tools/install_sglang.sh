@@ -6,7 +6,7 @@
 #
 #   bash tools/install_sglang.sh        # with the venv active (or VENV=path, default .venv)
 #
-# What it takes (../shared/FINDINGS.md, "SGLang"), every step only when CUDA is absent:
+# What it takes (docs/cpu.md §4), every step only when CUDA is absent:
 # 1. sglang==0.5.23 with --no-deps: its metadata pins torch==2.14.1 and CUDA-only wheels (sglang-kernel,
 #    flashinfer, deep-gemm, ...); a plain install would download GBs and replace our torch. Then its
 #    pure-Python needs, under the torch constraint. `pip check` will report the pins this leaves unmet

@@ -1,4 +1,4 @@
-"""Advantages: rewards centred on their group's mean, then normalised (SCALERL.md §2).
+"""Advantages: rewards centred on their group's mean, then normalised (docs/recipe.md §2).
 
     A_i    = r_i - mean(r of the prompt's group)
     batch: Ahat_i = A_i / (std(all A in the batch) + eps)      (ScaleRL default)

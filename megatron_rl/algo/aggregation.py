@@ -1,4 +1,4 @@
-"""Loss aggregation as per-sequence token weights (SCALERL.md §2).
+"""Loss aggregation as per-sequence token weights (docs/recipe.md §2).
 
 The batch loss is `sum over loss tokens t of weight[seq(t)] * term_t`. Expressing aggregation as a weight
 per sequence, computed once over the whole batch, lets the trainer split the batch into micro-batches

@@ -1,4 +1,4 @@
-"""Which groups and prompts are trained on (SCALERL.md §2).
+"""Which groups and prompts are trained on (docs/recipe.md §2).
 
 - Zero-variance filter: a group whose G rewards are all equal has all-zero advantages and only dilutes
   the batch; it is dropped (no refill) and counted by the caller.

@@ -1,4 +1,4 @@
-"""DAPO's overlong reward shaping, used by the `loo-lp` ablation instead of interruption (SCALERL.md §2).
+"""DAPO's overlong reward shaping, used by the `loo-lp` ablation instead of interruption (docs/recipe.md §2).
 
 With L_max = max_length and L_cache = cache_length, a completion of length L gets an extra reward
 

@@ -1,4 +1,4 @@
-"""Policy-gradient losses of SCALERL.md §2 as per-token terms: CISPO, GSPO, DAPO, GRPO.
+"""Policy-gradient losses of docs/recipe.md §2 as per-token terms: CISPO, GSPO, DAPO, GRPO.
 
 All take flat token tensors (one entry per completion token of the micro-batch):
 

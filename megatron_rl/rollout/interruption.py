@@ -1,4 +1,4 @@
-"""Length control by interruption (SCALERL.md §5), around any engine's generate call.
+"""Length control by interruption (docs/recipe.md §5), around any engine's generate call.
 
 One completion is generated in up to two phases:
 

@@ -1,4 +1,4 @@
-"""The scaling-curve toolkit (SCALERL.md §1): fit, predict and compare sigmoidal compute-performance curves.
+"""The scaling-curve toolkit (docs/recipe.md §1): fit, predict and compare sigmoidal compute-performance curves.
 
 numpy, scipy and matplotlib only (never torch), so it runs anywhere the metrics files are:
 

@@ -48,7 +48,7 @@ from megatron_rl.scaling.fit import METHODS, PAPER_A_GRID, PAPER_C_MID_GRID, Fit
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="megatron-rl fit",
-        description="Fit R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) to training curves (SCALERL.md §1).",
+        description="Fit R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) to training curves (docs/recipe.md §1).",
         epilog=__doc__.split("\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -149,7 +149,7 @@ def _fit_start(curve: Curve, cut: float | None, args: argparse.Namespace) -> flo
 
 
 def paper_differences(args: argparse.Namespace, results: list[Result]) -> list[str]:
-    """The choices of this fit that differ from the paper's procedure (SCALERL.md §1)."""
+    """The choices of this fit that differ from the paper's procedure (docs/recipe.md §1)."""
     out = []
     if not _in_gpu_hours(args):
         scale = f" x {args.compute_scale:g}" if args.compute_scale != 1 else ""

@@ -1,4 +1,4 @@
-"""Runs side by side (SCALERL.md §1): fitted parameters per recipe or per scaling-axis label, and the
+"""Runs side by side (docs/recipe.md §1): fitted parameters per recipe or per scaling-axis label, and the
 paper's rule for comparing efficiency.
 
 The paper's rule: repeated runs of one recipe gave A within +/-0.015, so A's within 0.02 are not

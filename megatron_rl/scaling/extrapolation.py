@@ -1,4 +1,4 @@
-"""Validating extrapolation: fit on a run up to a compute cut, predict the rest (SCALERL.md §1: the paper
+"""Validating extrapolation: fit on a run up to a compute cut, predict the rest (docs/recipe.md §1: the paper
 fits to 50k GPU-hours and predicts 100k)."""
 
 from __future__ import annotations

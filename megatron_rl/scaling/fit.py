@@ -1,4 +1,4 @@
-"""Fitting the sigmoidal compute-performance law of SCALERL.md §1.
+"""Fitting the sigmoidal compute-performance law of docs/recipe.md §1.
 
     R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
 

@@ -1,4 +1,4 @@
-"""Synthetic compute-performance curves from the paper's Table 1 (SCALERL.md §1): tests, benchmarks, docs.
+"""Synthetic compute-performance curves from the paper's Table 1 (docs/recipe.md §1): tests, benchmarks, docs.
 
 Sampling follows the paper's runs: an evaluation every 100 steps at a constant cost per step, i.e. evenly
 spaced in compute, 75 evaluations plus the step-0 one (the 8B run of Figure 1 took 7,400 steps). The

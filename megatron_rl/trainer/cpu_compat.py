@@ -4,7 +4,7 @@ megatron-core assumes a GPU in a few hundred places. On CPU (laptops, CI) we run
 and the local layer spec, so `apply()` redirects those calls to CPU equivalents. It is applied only when
 `torch.cuda.is_available()` is False and changes nothing on a GPU machine.
 
-What is patched, and why (see ../shared/FINDINGS.md, "CUDA-only calls hit on CPU"):
+What is patched, and why (docs/cpu.md §3):
 
 1. Inside every loaded `megatron.core.*` module, the global name `torch` is replaced by `_CpuTorch`, a
    proxy that forwards everything to torch except:
@@ -25,8 +25,8 @@ What is patched, and why (see ../shared/FINDINGS.md, "CUDA-only calls hit on CPU
 4. `torch.Tensor.cuda()` returns the tensor itself (a few megatron paths move buffers explicitly).
 
 `PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
-test tests/test_trainer_cpu_compat.py) fails with the missing names if a megatron-core upgrade renames
-one, instead of a confusing CUDA error deep in a forward pass.
+test `test_cpu_compat_symbols_exist` in tests/integration/test_trainer.py) fails with the missing names if a
+megatron-core upgrade renames one, instead of a confusing CUDA error deep in a forward pass.
 """
 
 from __future__ import annotations

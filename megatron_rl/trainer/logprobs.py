@@ -11,7 +11,7 @@ logit are all-reduced across the TP group, as in megatron's vocab-parallel cross
 
 Peak memory is O(chunk x vocab / tp) instead of O(tokens x vocab) for the logits, the softmax and their
 gradient (benchmarks/bench_logprobs.py measures it). The matmul runs in fp32 when the LM head is fp32
-(SCALERL.md §3), otherwise in the head's dtype with an fp32 softmax.
+(docs/recipe.md §3), otherwise in the head's dtype with an fp32 softmax.
 """
 
 from __future__ import annotations

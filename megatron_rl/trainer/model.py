@@ -9,7 +9,7 @@ with its core attention replaced by `trainer/attention.py::PackedCoreAttention` 
 norms by `SequenceParallelRMSNorm` (sequence parallel on CPU too). Llama-4's chunk/temperature rules wrap
 either attention. Everything else (packing, process groups, padding, recompute) is shared.
 
-The FP32 LM head (SCALERL.md §3): megatron-core has no switch for it, so the output layer (and the
+The FP32 LM head (docs/recipe.md §3): megatron-core has no switch for it, so the output layer (and the
 embedding when they are tied) is cast to fp32 after construction while the body keeps the configured
 dtype; the log-prob path (logprobs.py) casts the final hidden states to fp32 before the projection.
 """

@@ -2,7 +2,7 @@
 
 Ray nodes started on this machine declare 8 GPUs each (`ray.cluster_utils.Cluster`); no GPU exists, but
 Ray still reserves them, hands each actor its node-local GPU indices and sets CUDA_VISIBLE_DEVICES. The
-cluster is the paper's run (SCALERL.md: 80 GPUs, 16 training and 64 generating) as 10 nodes of 8 GPUs,
+cluster is the paper's run (docs/recipe.md §6: 80 GPUs, 16 training and 64 generating) as 10 nodes of 8 GPUs,
 plus a head without GPUs like a driver node.
 
 - Each shipped model config is placed whole with its own parallel layout (tp, ep, etp, engine tp) at that

@@ -1,7 +1,7 @@
 """Losses against hand numbers and a nested-loop reference, gradients included.
 
 The reference walks prompts -> completions -> tokens in Python and builds the objective J of
-SCALERL.md §2 directly from its formula; the library computes it on flat tensors with aggregation
+docs/recipe.md §2 directly from its formula; the library computes it on flat tensors with aggregation
 weights. Gradients are taken through a small linear softmax policy so they are checked with respect to
 real parameters, not only to the log-probs.
 """

@@ -1,0 +1,29 @@
+"""The one-line step summary shows the metrics the run logs (a renamed metric would silently vanish from it)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import megatron_rl
+from megatron_rl.metrics import CONSOLE_FIELDS, console_line
+from megatron_rl.rollout.pipeline import BatchStats
+
+
+def _logged_names() -> set[str]:
+    """Metric names a step row carries: the batch statistics, the train step's (read from its source: it needs
+    megatron-core to run), validation's, and the compute clock."""
+    step_source = (Path(megatron_rl.__file__).parent / "trainer" / "step.py").read_text()
+    trainer = set(re.findall(r'"(train/[a-z_/]+)":', step_source))
+    assert {"train/loss", "train/mismatch", "train/clip_frac"} <= trainer
+    return set(BatchStats().as_metrics()) | trainer | {"val/pass_rate", "time/step_s", "device_hours"}
+
+
+def test_every_console_field_is_a_logged_metric():
+    missing = [key for key, _, _ in CONSOLE_FIELDS if key not in _logged_names()]
+    assert not missing, f"console fields no step row carries: {missing}"
+
+
+def test_the_step_line_shows_the_logprob_mismatch():
+    line = console_line(7, {"train/mismatch": 0.0123, "train/reward": 0.5, "train/loss": float("nan")})
+    assert line.startswith("step     7") and "|dlogp| 0.0123" in line and "reward +0.500" in line and "loss" not in line
