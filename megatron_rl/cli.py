@@ -94,7 +94,7 @@ def check_allocation(config: Any, allocation: str) -> None:
     from megatron_rl.orchestration.placement import node_plan
 
     try:
-        plan = node_plan(config, nodes, per_node, where="the allocation")
+        plan = node_plan(config, nodes, per_node, where="allocation")
     except ValueError as exc:
         raise ConfigError(f"allocation: {exc}") from None
     trainer, generators, total = plan.trainer_gpus, plan.generator_gpus, nodes * per_node

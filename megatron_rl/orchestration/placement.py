@@ -133,9 +133,10 @@ class NodePlan:
         return self.trainer_nodes + self.engine_nodes
 
 
-def node_plan(run: RunConfig, nodes: int, per_node: int, where: str = "the cluster") -> NodePlan:
-    """The one placement rule, for a Slurm allocation (`check --allocation`) and for a Ray cluster alike:
-    raises ValueError naming the field and the numbers when the run does not fit `nodes` x `per_node` GPUs.
+def node_plan(run: RunConfig, nodes: int, per_node: int, where: str = "cluster") -> NodePlan:
+    """The one placement rule, for a Slurm allocation (`check --allocation`, `where="allocation"`) and for a Ray
+    cluster alike: raises ValueError naming the fields and the numbers when the run does not fit `nodes` x
+    `per_node` GPUs (every shortfall at once).
 
     A TP group and an engine each stay inside one node, so parallel.tp (when the trainer spans nodes) and
     rollout.engine.tp must divide a node's GPUs; the trainer fills nodes in rank order, the engines take
@@ -152,22 +153,30 @@ def node_plan(run: RunConfig, nodes: int, per_node: int, where: str = "the clust
             f"rollout.engine.tp={engine.tp} must divide the {per_node} GPUs of a node (an engine in one node)"
         )
     generators, total = engines * engine.tp, nodes * per_node
-    if trainer + generators > total:
-        raise ValueError(
-            f"needs {trainer} trainer + {generators} generator GPUs = {trainer + generators}, "
-            f"{where} has {nodes} x {per_node} = {total}"
-        )
     trainer_nodes = math.ceil(trainer / per_node)
     leftover = trainer_nodes * per_node - trainer  # the trainer's last node, when it is not full
     in_trainer_nodes = min(engines, leftover // engine.tp) if engines else 0
     engine_nodes = math.ceil((engines - in_trainer_nodes) / (per_node // engine.tp)) if engines else 0
-    if trainer_nodes + engine_nodes > nodes:
+    problems = []
+    if trainer_nodes > nodes:
+        problems.append(
+            f"the trainer needs {trainer} GPUs in {trainer_nodes} nodes of {per_node} (parallel.trainer_devices); "
+            f"the {where} has {nodes} node(s) with {per_node} GPUs"
+        )
+    if trainer + generators > total:
+        problems.append(
+            f"needs {trainer} trainer + {generators} generator GPUs = {trainer + generators}, "
+            f"{where} has {nodes} x {per_node} = {total}"
+        )
+    if trainer_nodes <= nodes and trainer_nodes + engine_nodes > nodes:
         room = (nodes - trainer_nodes) * (per_node // engine.tp) + leftover // engine.tp
-        raise ValueError(
+        problems.append(
             f"the engines need {engines} x {engine.tp} GPUs, each engine inside one node "
-            f"(rollout.engine.num_engines, rollout.engine.tp); {where} has {nodes} node(s) of {per_node} GPUs, "
+            f"(rollout.engine.num_engines, rollout.engine.tp); the {where} has {nodes} node(s) of {per_node} GPUs, "
             f"{trainer_nodes} of them for the trainer: room for {room} engine(s)"
         )
+    if problems:
+        raise ValueError("; ".join(problems))
     return NodePlan(per_node, trainer, engines, engine.tp, trainer_nodes, engine_nodes)
 
 
@@ -183,7 +192,7 @@ def check_cluster(run: RunConfig, node_gpus: Sequence[int]) -> int:
         raise ValueError(f"the run needs {needed} GPUs; the Ray cluster has none ({len(node_gpus)} node(s))")
     if len(set(gpu_nodes)) > 1:
         raise ValueError(f"the cluster's GPU nodes differ ({sorted(gpu_nodes)} GPUs); placement needs equal nodes")
-    return node_plan(run, len(gpu_nodes), gpu_nodes[0], "the Ray cluster").per_node
+    return node_plan(run, len(gpu_nodes), gpu_nodes[0]).per_node
 
 
 def spawn(cls: type, placement: Placement) -> list[Any]:
