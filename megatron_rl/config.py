@@ -274,6 +274,13 @@ def check_norm_recompute(recompute: RecomputeConfig, te: bool) -> None:
         )
 
 
+GPU_IMAGE_HAS_APEX = False
+"""Whether the GPU image (env/Dockerfile, env/megatron_rl.def, env/gpu-requirements.lock) builds NVIDIA Apex's CUDA
+extensions. megatron-core's gradient-accumulation fusion in its own ColumnParallelLinear (GPTModel's output layer,
+whatever the layer spec) needs Apex's `fused_weight_gradient_mlp_cuda`, and refuses to build the layer without it.
+tests/unit/test_gpu_env.py keeps this in step with the image."""
+
+
 @dataclass
 class PerformanceConfig:
     """GPU kernels and fusions. null = on when the trainer runs Transformer Engine on CUDA, off otherwise
@@ -292,7 +299,9 @@ class PerformanceConfig:
     masked_softmax_fusion: bool | None = None
     """Fused scale-mask-softmax (used where attention is not TE's flash/fused kernel)."""
     gradient_accumulation_fusion: bool | None = None
-    """Weight gradients accumulated straight into the fp32 main_grad buffer (fused wgrad GEMM)."""
+    """Weight gradients accumulated straight into the fp32 main_grad buffer (fused wgrad GEMM). Needs NVIDIA Apex's
+    `fused_weight_gradient_mlp_cuda` besides Transformer Engine (megatron's output layer refuses to build without
+    it): null is on only where both are there, which the shipped GPU image is not (`GPU_IMAGE_HAS_APEX`)."""
 
 
 @dataclass
@@ -759,7 +768,22 @@ class RunConfig:
             if p.tp > 1 and not p.sequence_parallel:
                 _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
         self.check_recompute()
+        self.check_kernels()
         self.check_row_budget(phrase_tokens=0)
+
+    def check_kernels(self) -> None:
+        """A fused kernel forced on where the run's nodes do not have it stops here, not at model build."""
+        if self.trainer.performance.gradient_accumulation_fusion and not (
+            self.trainer_uses_transformer_engine and GPU_IMAGE_HAS_APEX
+        ):
+            where = (
+                "the GPU image does not build Apex" if self.compute.device_kind == "gpu" else "a CPU run has no CUDA"
+            )
+            _fail(
+                "trainer.performance.gradient_accumulation_fusion",
+                "true needs Transformer Engine and NVIDIA Apex's fused_weight_gradient_mlp_cuda kernel (megatron-core's"
+                f" output layer refuses to build without it); {where}. Leave it null (on where the kernel is) or false",
+            )
 
     @property
     def trainer_uses_transformer_engine(self) -> bool:

@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from megatron_rl.config import ModelConfig, ParallelConfig, RecomputeConfig, TrainerConfig, check_norm_recompute
+from megatron_rl.config import (
+    GPU_IMAGE_HAS_APEX,
+    ModelConfig,
+    ParallelConfig,
+    RecomputeConfig,
+    TrainerConfig,
+    check_norm_recompute,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -46,11 +54,22 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
     return available
 
 
-def performance_settings(trainer: TrainerConfig, te: bool | None = None) -> dict[str, bool]:
-    """`trainer.performance`, each null resolved: on with Transformer Engine on CUDA, off otherwise
-    (`te` overrides what this host offers, for the memory plan)."""
+def apex_wgrad_kernel() -> bool:
+    """Whether NVIDIA Apex's `fused_weight_gradient_mlp_cuda` imports here (megatron's gradient-accumulation
+    fusion in its own linear layers needs it; Transformer Engine's linears do not)."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def performance_settings(trainer: TrainerConfig, te: bool | None = None, apex: bool | None = None) -> dict[str, bool]:
+    """`trainer.performance`, each null resolved: on with Transformer Engine on CUDA, off otherwise; the
+    gradient-accumulation fusion only where Apex's kernel is there as well. `te` and `apex` override what this host
+    offers (the cluster's resolution, for the plan and the checks)."""
     te = use_transformer_engine(trainer) if te is None else te
-    return {name: te if value is None else value for name, value in dataclasses.asdict(trainer.performance).items()}
+    apex = apex_wgrad_kernel() if apex is None else apex
+    resolved = {name: te if value is None else value for name, value in dataclasses.asdict(trainer.performance).items()}
+    if trainer.performance.gradient_accumulation_fusion is None:
+        resolved["gradient_accumulation_fusion"] = te and apex
+    return resolved
 
 
 def cluster_transformer_engine(trainer: TrainerConfig) -> bool:
@@ -60,11 +79,17 @@ def cluster_transformer_engine(trainer: TrainerConfig) -> bool:
     return trainer.layer_spec != "local"
 
 
+def cluster_performance_settings(trainer: TrainerConfig) -> dict[str, bool]:
+    """The kernel switches as a GPU node of the cluster resolves them, with the image's Transformer Engine and
+    Apex (config.GPU_IMAGE_HAS_APEX), whatever this host has."""
+    return performance_settings(trainer, cluster_transformer_engine(trainer), GPU_IMAGE_HAS_APEX)
+
+
 def meta_performance_settings(trainer: TrainerConfig) -> dict[str, bool]:
     """The kernel switches of a meta-device build for the memory plan: grouped GEMM as the cluster resolves it
     (megatron-core validates recompute against it), every fusion off. The fusions change no parameter, and
     megatron-core refuses them where their kernels (Transformer Engine, Apex) are not installed."""
-    perf = performance_settings(trainer, cluster_transformer_engine(trainer))
+    perf = cluster_performance_settings(trainer)
     return {name: value if name == "moe_grouped_gemm" else False for name, value in perf.items()}
 
 
@@ -208,7 +233,7 @@ def build_model(
     for param in gpt.parameters():  # megatron's torch norms are created fp32; buffers (RoPE) stay fp32
         param.data = param.data.to(dtype)
     if trainer.fp32_lm_head:
-        cast_lm_head_to_fp32(gpt)
+        cast_lm_head_to_fp32(gpt, dtype)
     cpu_compat.apply()  # covers megatron modules imported while building
     return gpt
 
@@ -275,13 +300,19 @@ def _set_rope_scaling(gpt: Any, model: ModelConfig) -> None:
     )
 
 
-def cast_lm_head_to_fp32(gpt: Any) -> None:
-    """Output layer in fp32 (and the word embedding when it shares the output weight)."""
+def cast_lm_head_to_fp32(gpt: Any, body_dtype: torch.dtype) -> None:
+    """Output layer in fp32 (and the word embedding when it shares the output weight).
+
+    A shared weight in fp32 makes the embedding lookup fp32 too; its output is cast back to the body's dtype,
+    or the first bf16 GEMM of the first layer refuses it (torch: "expected m1 and m2 to have the same dtype";
+    Transformer Engine raises a TypeError). Its gradient flows back to the fp32 weight through the cast."""
     if gpt.post_process and not gpt.share_embeddings_and_output_weights:
         gpt.output_layer.float()
     if gpt.share_embeddings_and_output_weights and (gpt.pre_process or gpt.post_process):
         weight = gpt.shared_embedding_or_output_weight()
         weight.data = weight.data.float()
+        if gpt.pre_process and body_dtype != torch.float32:
+            gpt.embedding.register_forward_hook(lambda module, args, output: output.to(body_dtype))
 
 
 def output_weight(gpt: Any) -> torch.Tensor:

@@ -230,6 +230,18 @@ def test_bf16_body_keeps_an_fp32_head_and_cispo_lowers_the_loss(tmp_path):
 
 
 @pytest.mark.slow
+def test_tied_embeddings_keep_an_fp32_head_under_a_bf16_body(tmp_path):
+    """Qwen3 with tied embeddings (qwen3_4b's layout): the shared weight is fp32 for the head, the embedding's
+    output enters the bf16 body as bf16, and the step trains."""
+    spec = {"model": "tiny_qwen3", "overrides": [*LR, "trainer.params_dtype=bf16"], "steps": 4, "on_policy": True}
+    (result,) = _run(tmp_path, "tied", spec)
+    assert result["body_dtype"] == "torch.bfloat16" and result["head_dtype"] == "torch.float32"
+    losses = [s["train/loss"] for s in result["steps"]]
+    assert losses[-1] < losses[0] - 0.3, losses
+    assert all(s["train/mismatch"] < 1e-2 for s in result["steps"])
+
+
+@pytest.mark.slow
 def test_resume_gives_the_bit_identical_next_step(tmp_path):
     (full,) = _run(tmp_path, "full", {"overrides": LR, "steps": 3, "save": str(tmp_path / "ck"), "save_after": 2})
     checkpoint = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text()

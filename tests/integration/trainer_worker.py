@@ -248,7 +248,9 @@ def main(spec: dict) -> None:
     if collectives is not None:
         result["collectives"] = collectives
         result["device"] = trainer.info.device.type
-    head = trainer.model.output_layer.weight if trainer.model.post_process else None
+    from megatron_rl.trainer.model import output_weight
+
+    head = output_weight(trainer.model) if trainer.model.post_process else None  # the shared weight when tied
     if head is not None:
         result["head_dtype"] = str(head.dtype)
         result["head_grad_dtype"] = str(head.main_grad.dtype) if getattr(head, "main_grad", None) is not None else None

@@ -132,11 +132,16 @@ def test_gpu_kernels_follow_transformer_engine_unless_forced(monkeypatch):
     forced = TrainerConfig(layer_spec="local", performance=PerformanceConfig(moe_grouped_gemm=True))
     assert model.performance_settings(forced)["moe_grouped_gemm"] is True
 
-    # Transformer Engine on CUDA: every setting on unless forced off, and each reaches megatron's field of its
-    # name. TransformerConfig itself refuses the fused kernels without TE, so its arguments are checked.
+    # Transformer Engine on CUDA: every setting on unless forced off (the gradient-accumulation fusion only with
+    # Apex's kernel as well), and each reaches megatron's field of its name. TransformerConfig itself refuses the
+    # fused kernels without TE, so its arguments are checked.
     monkeypatch.setattr(model, "use_transformer_engine", lambda trainer: True)
+    without_apex = model.performance_settings(TrainerConfig(), apex=False)
+    assert without_apex["gradient_accumulation_fusion"] is False
+    monkeypatch.setattr(model, "apex_wgrad_kernel", lambda: True)
     gpu = model.performance_settings(TrainerConfig())
     assert set(gpu) == names and all(v is True for v in gpu.values()), gpu
+    assert without_apex == {**gpu, "gradient_accumulation_fusion": False}
     no_grouped = TrainerConfig(performance=PerformanceConfig(moe_grouped_gemm=False))
     assert model.performance_settings(no_grouped) == {**gpu, "moe_grouped_gemm": False}
 
@@ -149,6 +154,48 @@ def test_gpu_kernels_follow_transformer_engine_unless_forced(monkeypatch):
     run = load_config("scalerl-cpu", "tiny_moe", ["trainer.performance.apply_rope_fusion=false"])
     model.transformer_config(run.model, run.parallel, run.trainer)
     assert {name: handed.get(name) for name in names} == {**gpu, "apply_rope_fusion": False}
+
+
+def _column_parallel_linear(gradient_accumulation_fusion: bool) -> None:
+    """megatron's ColumnParallelLinear (GPTModel's output layer under every layer spec), built on CPU in a fresh
+    process (megatron's parallel state is process-global) as rank 0 of one under the fake backend."""
+    script = f"""
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+from megatron.core import parallel_state
+from megatron.core.model_parallel_config import ModelParallelConfig
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+config = ModelParallelConfig(gradient_accumulation_fusion={gradient_accumulation_fusion}, use_cpu_initialization=True)
+ColumnParallelLinear(8, 16, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    if done.returncode:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model_name", ["llama3_8b", "qwen3_4b", "qwen3_30b_a3b", "llama4_scout_17bx16e"])
+def test_the_gradient_accumulation_fusion_resolves_to_what_the_image_can_build(model_name):
+    """A GPU node with the image's Transformer Engine and no Apex: null resolves off, and megatron's output layer
+    builds with the cluster's setting; resolved as 'TE means on' (the old rule) it does not."""
+    from megatron_rl.trainer import model
+
+    run = load_config("scalerl", model_name)
+    cluster = model.cluster_performance_settings(run.trainer)
+    assert cluster["gradient_accumulation_fusion"] is False and cluster["bias_activation_fusion"] is True
+    _column_parallel_linear(cluster["gradient_accumulation_fusion"])
+    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+        _column_parallel_linear(
+            model.performance_settings(run.trainer, te=True, apex=True)["gradient_accumulation_fusion"]
+        )
+
+
+@pytest.mark.parametrize(("recipe", "model_name"), [("scalerl", "llama3_8b"), ("scalerl-cpu", "cpu_demo")])
+def test_a_fusion_forced_on_where_its_kernel_is_missing_is_refused_at_config(recipe, model_name):
+    with pytest.raises(ConfigError, match=r"trainer.performance.gradient_accumulation_fusion: true needs .* Apex"):
+        load_config(recipe, model_name, ["trainer.performance.gradient_accumulation_fusion=true"])
+    assert load_config(recipe, model_name, ["trainer.performance.gradient_accumulation_fusion=false"])
 
 
 def test_recompute_module_megatron_cannot_run_on_cpu_is_refused_at_start():

@@ -218,3 +218,16 @@ def test_setup_script_needs_an_image(tmp_path):
         timeout=30,
     )
     assert done.returncode != 0 and "started" not in done.stdout and "MRL_IMAGE" in done.stderr
+
+
+def test_the_image_builds_apex_exactly_when_the_config_says_so():
+    """config.GPU_IMAGE_HAS_APEX decides whether the gradient-accumulation fusion can be on: it must describe the
+    image (the lock, the Dockerfile and the Apptainer definition)."""
+    from megatron_rl.config import GPU_IMAGE_HAS_APEX
+
+    recipes = " ".join(
+        (REPO / "env" / name).read_text() for name in ("Dockerfile", "megatron_rl.def", "install_gpu.sh")
+    )
+    builds_apex = "NVIDIA/apex" in recipes or "fused_weight_gradient_mlp_cuda" in recipes
+    assert "apex" not in PINS  # PyPI's `apex` is an unrelated project: never in the lock
+    assert builds_apex == GPU_IMAGE_HAS_APEX
