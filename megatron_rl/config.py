@@ -111,7 +111,7 @@ class ModelConfig:
     kv_channels: int | None = None
     """Head dimension; null = hidden_size / num_attention_heads."""
     vocab_size: int = 512
-    max_position_embeddings: int = 2048
+    max_position_embeddings: int = 32768  # the default name is tiny_dense: as its model config
     rotary_base: float = 10000.0
     rope_scaling_factor: float | None = None
     """Llama-3.1 style RoPE frequency scaling factor (8.0 for Llama-3.1); null = none."""
@@ -505,6 +505,11 @@ class EngineConfig:
             _fail("mem_fraction", f"must be in (0, 1], got {self.mem_fraction}")
 
 
+PHRASE_TOKEN_ALLOWANCE = 64
+"""Tokens the interruption phrase may take in the engines' context (the default phrase is ~20 in Llama-3's and in
+the tiny models' tokenizers)."""
+
+
 @dataclass
 class RolloutConfig:
     """Generation: engines, the asynchronous pipeline, batch shape and length budgets."""
@@ -555,6 +560,22 @@ class RolloutConfig:
     @property
     def max_completion_tokens(self) -> int:
         return self.interruption.max_thinking_tokens + self.answer_tokens
+
+    @property
+    def context_length(self) -> int:
+        """Tokens one sequence can reach: prompt, thinking, the interruption phrase (at most
+        `PHRASE_TOKEN_ALLOWANCE`, checked against the tokenizer at start) and answer. The engines are started with
+        it (SGLang's --context-length: it sizes each request's row of its request-to-token table from it)."""
+        phrase = PHRASE_TOKEN_ALLOWANCE if self.interruption.enabled else 0
+        return self.max_prompt_tokens + self.max_completion_tokens + phrase
+
+    def check_phrase(self, phrase_tokens: int) -> None:
+        if self.interruption.enabled and phrase_tokens > PHRASE_TOKEN_ALLOWANCE:
+            _fail(
+                "rollout.interruption.phrase",
+                f"{phrase_tokens} tokens with this tokenizer; at most {PHRASE_TOKEN_ALLOWANCE} fit the engines'"
+                " context (rollout.context_length)",
+            )
 
     @property
     def batches_in_flight(self) -> int:
@@ -767,6 +788,13 @@ class RunConfig:
                 _fail("parallel.etp", f"must divide the expert ffn hidden size {expert_ffn}, got {etp}")
             if p.tp > 1 and not p.sequence_parallel:
                 _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
+        if self.rollout.context_length > m.max_position_embeddings:
+            _fail(
+                "rollout.max_prompt_tokens",
+                "prompt + thinking + answer budgets and the interruption phrase "
+                f"({self.rollout.context_length} tokens) exceed model.max_position_embeddings="
+                f"{m.max_position_embeddings}: the engines refuse such a context",
+            )
         self.check_recompute()
         self.check_kernels()
         self.check_row_budget(phrase_tokens=0)

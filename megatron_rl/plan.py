@@ -323,6 +323,21 @@ class EngineMemory:
     longest: int
     in_flight: int
     """Sequences the rollout pipeline keeps in flight on one engine (`in_flight_sequences`)."""
+    context: int
+    """The engines' --context-length (`rollout.context_length`)."""
+
+    @property
+    def requests(self) -> int:
+        """SGLang 0.5.23's request slots (kv_cache_configurator.resolve_max_num_reqs, no --max-running-requests):
+        512 per context's worth of KV-pool tokens, clamped to [2048, 4096], at most half the pool's tokens."""
+        tokens = int(max(self.pool, 0.0) // self.kv_per_token)
+        return min(max(min(int(tokens / self.context * 512), 4096), 2048), tokens // 2)
+
+    @property
+    def request_table(self) -> float:
+        """Bytes of SGLang's request-to-token table: an int32 row of `context` tokens per slot, plus a padding row
+        (mem_cache/memory_pool.py ReqToTokenPool), allocated outside the static pool of mem_fraction."""
+        return 4.0 * (self.requests + 1) * self.context
 
     @property
     def pool_sequences(self) -> int:
@@ -392,7 +407,7 @@ def engine_memory(run: RunConfig, total_params: int, device: float) -> EngineMem
     r = run.rollout
     longest = r.max_prompt_tokens + r.interruption.max_thinking_tokens + r.answer_tokens
     pool = engine.mem_fraction * device - weights
-    return EngineMemory(weights, kv_per_token, pool, longest, in_flight_sequences(run))
+    return EngineMemory(weights, kv_per_token, pool, longest, in_flight_sequences(run), r.context_length)
 
 
 def kv_warnings(run: RunConfig, engine: EngineMemory) -> list[str]:
@@ -434,6 +449,15 @@ def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
                 f"{max(engine.pool, 0) / GIB:.1f} GiB of rollout.engine.mem_fraction={run.rollout.engine.mem_fraction} "
                 f"x {device / GIB:.1f} GiB for the KV cache; one {engine.longest}-token sequence needs "
                 f"{need / GIB:.2f} GiB"
+            )
+        outside = (1 - run.rollout.engine.mem_fraction) * device - ENGINE_RESERVE_GIB * GIB
+        if engine.request_table > outside:
+            plan.problems.append(
+                f"engine: SGLang's request table ({engine.requests + 1} slots x {engine.context} tokens x 4 B = "
+                f"{engine.request_table / GIB:.1f} GiB) does not fit the {outside / GIB:.1f} GiB left outside "
+                f"rollout.engine.mem_fraction={run.rollout.engine.mem_fraction} after the engine's "
+                f"{ENGINE_RESERVE_GIB:.0f} GiB reserve; lower rollout.context_length (max_prompt_tokens, "
+                "interruption.max_thinking_tokens, answer_tokens) or rollout.engine.mem_fraction"
             )
         plan.warnings += kv_warnings(run, engine)
     if plan.problems and suggest:
@@ -510,7 +534,8 @@ def format_plan(plan: Plan) -> str:
         lines.append(
             f"engine TP{engine.tp:<5}{'':>9}{e.weights / GIB:>9.1f}   KV pool {max(e.pool, 0) / GIB:.1f} GiB "
             f"(mem_fraction {engine.mem_fraction}): {e.fitting} of the {e.in_flight} sequences in flight per "
-            f"engine fit at {e.longest} tokens each (room for {e.pool_sequences})"
+            f"engine fit at {e.longest} tokens each (room for {e.pool_sequences}); request table "
+            f"{e.request_table / GIB:.2f} GiB ({e.requests} slots x context {e.context})"
         )
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:

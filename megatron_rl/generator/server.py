@@ -67,6 +67,7 @@ class SGLangServer:
         host: str = "127.0.0.1",
         port: int | None = None,
         max_total_tokens: int | None = None,
+        context_length: int | None = None,
     ) -> None:
         self.model_path, self.cfg, self.log_path = Path(model_path), cfg, Path(log_path)
         self.host = host
@@ -74,6 +75,9 @@ class SGLangServer:
         if max_total_tokens is None and cfg.device == "cpu":
             max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
         self.max_total_tokens = max_total_tokens
+        self.context_length = context_length
+        """Tokens one request may reach (`rollout.context_length`); None: SGLang takes the checkpoint's
+        max_position_embeddings, and sizes its request-to-token table from it (10M tokens for Scout: ~86 GB)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
         self.started_at = 0.0
@@ -91,6 +95,8 @@ class SGLangServer:
         cmd += ["--dtype", self.cfg.dtype, "--weight-version", "0", "--mem-fraction-static", str(self.cfg.mem_fraction)]
         if self.max_total_tokens:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.context_length:
+            cmd += ["--context-length", str(self.context_length)]
         if self.cfg.device == "cpu":
             # CPU: SGLang's torch-native attention (no kernels), no CUDA graphs, and no warm-up request
             # (a tiny model needs none; it costs seconds of start-up on 2 cores).

@@ -43,7 +43,7 @@ from megatron_rl.orchestration.placement import Placed, describe, engine_placeme
 class EngineHost(Placed):
     """One SGLang server inside a Ray actor (so Ray decides which node and GPUs it gets)."""
 
-    def setup(self, model_path: str, engine: dict[str, Any], log_path: str) -> None:
+    def setup(self, model_path: str, engine: dict[str, Any], log_path: str, context_length: int) -> None:
         import ray
 
         from megatron_rl.config import EngineConfig, build
@@ -51,7 +51,9 @@ class EngineHost(Placed):
         host = ray.util.get_node_ip_address()
         # The KV pool: SGLang sizes it from the memory fraction on GPUs; on CPU the server's own default
         # (generator/server.py, CPU_DEFAULT_MAX_TOTAL_TOKENS) caps it in tokens.
-        self.server = SGLangServer(Path(model_path), build(EngineConfig, engine), Path(log_path), host=host)
+        self.server = SGLangServer(
+            Path(model_path), build(EngineConfig, engine), Path(log_path), host=host, context_length=context_length
+        )
 
     async def start(self) -> str:
         self.server.start()
@@ -86,7 +88,12 @@ class EngineGroup:
         self.placement = engine_placement(run)
         self.hosts = spawn(EngineHost, self.placement)
         config, logs = dataclasses.asdict(engine), run_dir / "logs"
-        ray.get([h.setup.remote(str(policy), config, str(logs / f"engine{i}.log")) for i, h in enumerate(self.hosts)])
+        ray.get(
+            [
+                h.setup.remote(str(policy), config, str(logs / f"engine{i}.log"), run.rollout.context_length)
+                for i, h in enumerate(self.hosts)
+            ]
+        )
         if self.placement.groups:
             print(f"placement: engines {describe(locations(self.hosts))}", flush=True)
         self.devices = engine.num_engines * engine.tp

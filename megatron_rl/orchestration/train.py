@@ -252,6 +252,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
     tokens = _interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
+    run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
 
     if not ray.is_initialized():
         # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already

@@ -1,0 +1,58 @@
+"""The engine command line as SGLang itself reads it, and the engines' request table in the memory plan.
+
+SGLang sizes a request-to-token table of (request slots + 1) x context-length int32s at start. Without
+--context-length it takes the checkpoint's max_position_embeddings (10,485,760 for Llama-4 Scout's released
+config): at least 2,048 slots x 10.5M x 4 B = 86 GB, an out-of-memory at engine start.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from megatron_rl.config import load_config
+from megatron_rl.generator.server import SGLangServer
+from megatron_rl.plan import GIB, EngineMemory, make_plan
+
+GPU_MODELS = ["llama3_8b", "qwen3_8b", "qwen3_4b", "qwen3_30b_a3b", "llama4_scout_17bx16e"]
+
+
+def _sglang_args(command: list[str]):
+    from sglang.srt.server_args import ServerArgs
+
+    assert command[1:3] == ["-m", "sglang.launch_server"]
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(command[3:]))
+
+
+@pytest.mark.parametrize("model_name", GPU_MODELS)
+def test_every_gpu_engine_command_parses_in_sglang_with_the_rollouts_context_length(model_name, tmp_path):
+    run = load_config("scalerl", model_name)
+    engine = run.rollout.engine
+    server = SGLangServer(tmp_path / "ckpt", engine, tmp_path / "engine.log", context_length=run.rollout.context_length)
+    args = _sglang_args(server.command())
+    r = run.rollout
+    assert args.context_length == r.max_prompt_tokens + r.max_completion_tokens + 64 == r.context_length
+    assert r.context_length <= run.model.max_position_embeddings
+    assert (args.tp_size, args.dtype, args.mem_fraction_static) == (engine.tp, engine.dtype, engine.mem_fraction)
+    assert args.enable_fp32_lm_head is engine.fp32_lm_head and args.weight_version == "0"
+
+
+def test_the_request_table_follows_sglangs_rule_and_an_unbounded_context_is_refused():
+    # 40 GiB of KV at 128 KiB per token (327,680 tokens): 512 slots per context's worth, clamped to [2048, 4096],
+    # at most half the pool's tokens.
+    short = EngineMemory(weights=0.0, kv_per_token=2**17, pool=40 * GIB, longest=1, in_flight=1, context=16_448)
+    assert short.requests == 4096 and short.request_table == 4 * 4097 * 16_448
+    scout_default = EngineMemory(0.0, 2**17, 40 * GIB, 1, 1, context=10_485_760)
+    assert scout_default.requests == 2048 and scout_default.request_table / 1e9 > 85
+    tiny_pool = EngineMemory(0.0, 2**17, GIB / 4, 1, 1, context=16_448)
+    assert tiny_pool.requests == 1024  # half of the pool's 2,048 tokens
+
+    run = load_config("scalerl", "llama3_8b")
+    plan = make_plan(run, suggest=False)
+    assert plan.fits and plan.engine.request_table < GIB
+    # A static pool of 95% leaves 4 GiB outside it, less than the engine's reserve: no room for the table.
+    refused = make_plan(load_config("scalerl", "llama3_8b", ["rollout.engine.mem_fraction=0.95"]), suggest=False)
+    assert any("SGLang's request table" in p and "rollout.context_length" in p for p in refused.problems)
