@@ -61,6 +61,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if args.allocation:
         check_allocation(config, args.allocation)
         check_memory(config)
+    config.check_starting_model()
     if args.write:
         from megatron_rl.config import save_config
 
@@ -140,6 +141,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.model, args.overrides)
+    config.check_starting_model()
     from megatron_rl.orchestration.train import RunStopped, train
     from megatron_rl.trainer.checkpoint import CheckpointError
 

@@ -799,6 +799,19 @@ class RunConfig:
         self.check_kernels()
         self.check_row_budget(phrase_tokens=0)
 
+    def check_starting_model(self) -> None:
+        """A GPU run starts RL from a pretrained checkpoint (`model.hf_path`); only a CPU run builds its tiny model
+        itself. Checked by `check` (the Slurm bootstrap runs it before Ray starts) and by `train`, not when a config
+        is loaded: plans and config checks of a GPU layout need no checkpoint."""
+        if self.compute.device_kind == "gpu" and not self.model.hf_path:
+            _fail(
+                "model.hf_path",
+                f"a GPU run starts RL from a pretrained Hugging Face checkpoint of {self.model.name}; set "
+                "model.hf_path=/path/to/checkpoint (Slurm: MODEL_PATH=/path/to/checkpoint sbatch slurm/...)",
+            )
+        if self.model.hf_path and not (Path(self.model.hf_path) / "config.json").is_file():
+            _fail("model.hf_path", f"{self.model.hf_path} has no config.json (not a Hugging Face checkpoint directory)")
+
     def check_kernels(self) -> None:
         """A fused kernel forced on where the run's nodes do not have it stops here, not at model build."""
         if self.trainer.performance.gradient_accumulation_fusion and not (

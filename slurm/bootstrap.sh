@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Ray-on-Slurm bootstrap shared by slurm/scalerl_*.sh (and usable directly with sbatch).
 #
-#   RECIPE=scalerl MODEL=llama3_8b OVERRIDES="rollout.k=4" sbatch slurm/bootstrap.sh
+#   RECIPE=scalerl MODEL=llama3_8b MODEL_PATH=/ckpt/Llama-3.1-8B-Instruct OVERRIDES="rollout.k=4" sbatch slurm/bootstrap.sh
+#
+# MODEL_PATH is the Hugging Face checkpoint RL starts from (model.hf_path); a GPU run without one is refused by
+# the check below.
 #
 # 1. checks the recipe's GPU split and memory plan against the allocation (`megatron-rl check --allocation`,
 #    which runs `megatron-rl plan`: per-GPU memory of every trainer stage and engine), before
@@ -20,6 +23,7 @@ set -euo pipefail
 
 RECIPE=${RECIPE:-scalerl}
 MODEL=${MODEL:-}
+MODEL_PATH=${MODEL_PATH:-}
 OVERRIDES=${OVERRIDES:-}
 RUN_NAME=${RUN_NAME:-${RECIPE}-${SLURM_JOB_NAME:-job}}
 OUTPUT_DIR=${OUTPUT_DIR:-runs}
@@ -35,6 +39,7 @@ model_arg=()
 if [ -n "$MODEL" ]; then model_arg=(--model "$MODEL"); fi
 # shellcheck disable=SC2206
 overrides=($OVERRIDES "name=$RUN_NAME" "output_dir=$OUTPUT_DIR")
+if [ -n "$MODEL_PATH" ]; then overrides+=("model.hf_path=$MODEL_PATH"); fi
 
 nodes=$(scontrol show hostnames "${SLURM_JOB_NODELIST:-$(hostname -s)}")
 num_nodes=$(echo "$nodes" | wc -l)

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # ScaleRL on the 8B dense model (Llama-3.1-8B architecture): model_configs/llama3_8b.yaml's split.
 #
-#   sbatch slurm/scalerl_dense.sh
-#   MODEL=qwen3_8b OVERRIDES="model.hf_path=/ckpt/Qwen3-8B" sbatch slurm/scalerl_dense.sh
+#   MODEL_PATH=/ckpt/Llama-3.1-8B-Instruct sbatch slurm/scalerl_dense.sh
+#   MODEL=qwen3_8b MODEL_PATH=/ckpt/Qwen3-8B sbatch slurm/scalerl_dense.sh
+#
+# MODEL_PATH: the Hugging Face checkpoint RL starts from (model.hf_path), on a file system every node sees.
 #
 # Site set-up (modules, container, venv): export MRL_SETUP=/path/to/setup.sh before sbatch (see README).
 #SBATCH --job-name=scalerl-dense

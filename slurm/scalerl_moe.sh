@@ -5,8 +5,10 @@
 # Scout's weights, fp32 gradients and Adam states (165 GiB per GPU; `megatron-rl plan --model
 # llama4_scout_17bx16e` prints the arithmetic).
 #
-#   sbatch slurm/scalerl_moe.sh                                     # the recipe as it is
-#   OVERRIDES="rollout.k=4 total_steps=5000" sbatch slurm/scalerl_moe.sh
+#   MODEL_PATH=/ckpt/Llama-4-Scout-17B-16E-Instruct sbatch slurm/scalerl_moe.sh     # the recipe as it is
+#   MODEL_PATH=/ckpt/Llama-4-Scout-17B-16E-Instruct OVERRIDES="rollout.k=4 total_steps=5000" sbatch slurm/scalerl_moe.sh
+#
+# MODEL_PATH: the Hugging Face checkpoint RL starts from (model.hf_path), on a file system every node sees.
 #
 # Site set-up (modules, container, venv): export MRL_SETUP=/path/to/setup.sh before sbatch (see README).
 #SBATCH --job-name=scalerl-moe

@@ -80,3 +80,32 @@ def test_bootstrap_without_a_gpu_count_refuses_a_gpu_run_before_ray_starts(tmp_p
     assert "neither SLURM_GPUS_ON_NODE (set by sbatch --gpus-per-node=N) nor GPUS_PER_NODE is set" in result.stderr
     assert "--allocation 2x0: 0 GPUs per node; this GPU run needs at least 1" in result.stderr
     assert "srun called" not in result.stderr
+
+
+def test_a_gpu_run_without_a_checkpoint_is_refused_by_check_and_train_before_anything_starts(tmp_path):
+    """`sbatch slurm/scalerl_dense.sh` without MODEL_PATH: the check the bootstrap runs first says which field to set
+    (it used to pass, bring Ray up, and start RL from a random 8B model)."""
+    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    cli = [sys.executable, "-m", "megatron_rl.cli"]
+    for command in ("check", "train"):
+        refused = subprocess.run([*cli, command, "--model", "llama3_8b"], capture_output=True, text=True, env=env)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "model.hf_path: a GPU run starts RL from a pretrained Hugging Face checkpoint" in refused.stderr
+        assert "MODEL_PATH=" in refused.stderr and "Traceback" not in refused.stderr
+    missing = subprocess.run(
+        [*cli, "check", "--model", "llama3_8b", f"model.hf_path={tmp_path}"], capture_output=True, text=True, env=env
+    )
+    assert missing.returncode == 2 and f"model.hf_path: {tmp_path} has no config.json" in missing.stderr
+    (tmp_path / "config.json").write_text("{}")
+    ok = subprocess.run(
+        [*cli, "check", "--model", "llama3_8b", f"model.hf_path={tmp_path}"], capture_output=True, text=True, env=env
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert subprocess.run([*cli, "check", "--recipe", "scalerl-cpu"], capture_output=True, env=env).returncode == 0
+
+
+def test_the_slurm_bootstrap_passes_model_path_as_the_checkpoint():
+    text = (ROOT / "slurm" / "bootstrap.sh").read_text()
+    assert 'overrides+=("model.hf_path=$MODEL_PATH")' in text
+    for script in ("scalerl_moe.sh", "scalerl_dense.sh"):
+        assert "MODEL_PATH=/ckpt/" in (ROOT / "slurm" / script).read_text()
