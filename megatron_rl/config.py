@@ -497,8 +497,16 @@ class EngineConfig:
     device: Literal["cuda", "cpu"] = "cuda"
     extra_args: list[str] = field(default_factory=list)
     """Extra `sglang.launch_server` flags, passed through verbatim."""
+    ready_timeout_s: float | None = None
+    """How long an engine may take from launch to ready (reading the checkpoint, compiling kernels) before the
+    run fails naming it. null: 600 s plus 6 s per GB of the checkpoint's safetensors (a cold Scout engine reads
+    218 GB: ~30 min)."""
 
     def __post_init__(self) -> None:
+        if self.ready_timeout_s is not None and not self.ready_timeout_s > 0:
+            _fail(
+                "ready_timeout_s", f"must be > 0 seconds (null: sized from the checkpoint), got {self.ready_timeout_s}"
+            )
         if self.num_engines < 1:
             _fail("num_engines", f"must be >= 1, got {self.num_engines}")
         if not 0 < self.mem_fraction <= 1:

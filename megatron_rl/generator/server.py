@@ -35,6 +35,20 @@ SERVER_KEEPALIVE_S = 60
 """Idle keep-alive of the servers we start (SGLang's uvicorn default is 5 s)."""
 
 
+READY_BASE_S = 600.0
+READY_S_PER_GB = 6.0
+"""(ours) The engine-ready deadline when `rollout.engine.ready_timeout_s` is null: a base for start-up and kernel
+compilation, plus a read rate of ~170 MB/s for the checkpoint (a shared file system under a cold start)."""
+
+
+def ready_timeout_s(cfg: EngineConfig, model_path: str | Path) -> float:
+    """`cfg.ready_timeout_s`, or the deadline sized from the checkpoint's safetensors."""
+    if cfg.ready_timeout_s is not None:
+        return cfg.ready_timeout_s
+    size = sum(f.stat().st_size for f in Path(model_path).glob("*.safetensors"))
+    return READY_BASE_S + READY_S_PER_GB * size / 1e9
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
@@ -76,6 +90,7 @@ class SGLangServer:
             max_total_tokens = CPU_DEFAULT_MAX_TOTAL_TOKENS
         self.max_total_tokens = max_total_tokens
         self.context_length = context_length
+        self.ready_timeout_s = ready_timeout_s(cfg, self.model_path)
         """Tokens one request may reach (`rollout.context_length`); None: SGLang takes the checkpoint's
         max_position_embeddings, and sizes its request-to-token table from it (10M tokens for Scout: ~86 GB)."""
         self.process: subprocess.Popen[bytes] | None = None
@@ -147,11 +162,12 @@ class SGLangServer:
             text = f.read().decode(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+    async def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.5) -> None:
         """Wait until `/health` answers 200; raise EngineError with the log tail if the server exits or
         is not ready in time (then it is stopped)."""
         if self.process is None:
             raise RuntimeError("SGLangServer.start() first")
+        timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         probe = aiohttp.ClientTimeout(total=5)
         async with aiohttp.ClientSession(timeout=probe) as session:
@@ -168,7 +184,10 @@ class SGLangServer:
                             return
                 if time.monotonic() > deadline:
                     self.stop()
-                    message = f"SGLang server not ready after {timeout_s:.0f} s; log {self.log_path}:"
+                    message = (
+                        f"SGLang server not ready after {timeout_s:.0f} s (rollout.engine.ready_timeout_s); "
+                        f"log {self.log_path}:"
+                    )
                     raise EngineTimeoutError(self.url, f"{message}\n{self.log_tail()}")
                 await asyncio.sleep(poll_s)
 
@@ -202,7 +221,7 @@ class SGLangServer:
             return False
         return True
 
-    async def restart(self, timeout_s: float = 600.0, grace_s: float = 20.0) -> None:
+    async def restart(self, timeout_s: float | None = None, grace_s: float = 20.0) -> None:
         """Stop (SIGKILL after `grace_s`) and start again (on the same port if it is still free), then wait
         until ready."""
         self.stop(grace_s)

@@ -56,3 +56,18 @@ def test_the_request_table_follows_sglangs_rule_and_an_unbounded_context_is_refu
     # A static pool of 95% leaves 4 GiB outside it, less than the engine's reserve: no room for the table.
     refused = make_plan(load_config("scalerl", "llama3_8b", ["rollout.engine.mem_fraction=0.95"]), suggest=False)
     assert any("SGLang's request table" in p and "rollout.context_length" in p for p in refused.problems)
+
+
+def test_the_engine_ready_deadline_is_sized_from_the_checkpoint_or_set(tmp_path):
+    from megatron_rl.config import ConfigError, EngineConfig
+    from megatron_rl.generator.server import ready_timeout_s
+
+    for i in range(2):  # 2 x 109 GB, sparse: Scout's 218 GB of bf16 weights as far as st_size tells
+        with (tmp_path / f"model-0000{i}.safetensors").open("wb") as f:
+            f.truncate(109 * 10**9)
+    assert ready_timeout_s(EngineConfig(), tmp_path) == pytest.approx(600 + 6 * 218)
+    assert ready_timeout_s(EngineConfig(ready_timeout_s=120), tmp_path) == 120
+    server = SGLangServer(tmp_path, EngineConfig(), tmp_path / "log")
+    assert server.ready_timeout_s == pytest.approx(1908)
+    with pytest.raises(ConfigError, match="rollout.engine.ready_timeout_s: must be > 0"):
+        load_config("scalerl", "llama3_8b", ["rollout.engine.ready_timeout_s=0"])
