@@ -884,6 +884,14 @@ class RunConfig:
             )
 
     @property
+    def collective_timeout_s(self) -> float:
+        """How long a trainer collective waits before NCCL's watchdog ends the rank: while rank 0 pushes a bucket
+        to the engines (up to `rollout.sync_timeout_s`, then a restart and a second push) the other ranks wait in
+        the next gather. torch's default (10 min) is shorter than a push with a large sync timeout; this is twice
+        the push's worst case plus 10 min, and never less than megatron-core's own default of 30 min."""
+        return max(1800.0, 2 * 2 * self.rollout.sync_timeout_s + 600.0)
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.output_dir) / self.name
 

@@ -6,9 +6,11 @@ A trainer rank learns its place from the usual environment (`RANK`, `WORLD_SIZE`
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -51,10 +53,11 @@ def served_device_types(backend: str) -> set[str]:
     return {"nccl": {"cuda"}, "gloo": {"cpu", "cuda"}, "fake": {"cpu", "cuda"}}.get(backend, set())
 
 
-def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False) -> RankInfo:
+def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False, timeout_s: float = 1800.0) -> RankInfo:
     """Join (or create) the trainer's process group and megatron's TP/PP/EP/ETP/DP groups; idempotent.
 
     `moe`: whether the model has experts (the default expert-TP size depends on it, `ParallelConfig.etp`).
+    `timeout_s`: every group's collective timeout (`RunConfig.collective_timeout_s`).
     """
     from megatron.core import parallel_state, tensor_parallel
 
@@ -69,7 +72,11 @@ def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False) -> 
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count())))
         dist.init_process_group(
-            process_group_backend(cuda), init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world_size
+            process_group_backend(cuda),
+            init_method=f"tcp://{addr}:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
         )
     world_size = dist.get_world_size()
     if world_size != parallel.trainer_devices:
@@ -82,6 +89,7 @@ def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False) -> 
             pipeline_model_parallel_size=parallel.pp,
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.expert_tp(moe),
+            distributed_timeout_minutes=math.ceil(timeout_s / 60),
         )
     cpu_compat.apply()
     tensor_parallel.model_parallel_cuda_manual_seed(seed)

@@ -229,7 +229,9 @@ class Trainer:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.run = run
-        self.info: RankInfo = init_distributed(run.parallel, run.trainer.seed, run.model.is_moe)
+        self.info: RankInfo = init_distributed(
+            run.parallel, run.trainer.seed, run.model.is_moe, timeout_s=run.collective_timeout_s
+        )
         torch.manual_seed(run.trainer.seed)
         self.model = build_model(run.model, run.parallel, run.trainer)
         config = self.model.config

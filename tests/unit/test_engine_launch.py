@@ -8,6 +8,7 @@ config): at least 2,048 slots x 10.5M x 4 B = 86 GB, an out-of-memory at engine 
 from __future__ import annotations
 
 import argparse
+import ast
 
 import pytest
 
@@ -71,3 +72,26 @@ def test_the_engine_ready_deadline_is_sized_from_the_checkpoint_or_set(tmp_path)
     assert server.ready_timeout_s == pytest.approx(1908)
     with pytest.raises(ConfigError, match="rollout.engine.ready_timeout_s: must be > 0"):
         load_config("scalerl", "llama3_8b", ["rollout.engine.ready_timeout_s=0"])
+
+
+def test_trainer_collectives_wait_longer_than_a_weight_push_can_take():
+    """While rank 0 pushes a bucket to a hung engine (up to rollout.sync_timeout_s, then a second push after the
+    restart) the other trainer ranks wait in a collective: their groups' timeout must outlast it, or NCCL's
+    watchdog ends them first. Read back from the groups of a real one-rank trainer process group."""
+    import subprocess
+    import sys
+
+    script = """
+import torch, torch.distributed as dist
+from megatron.core import parallel_state as ps
+from megatron_rl.config import load_config
+from megatron_rl.trainer.distributed import init_distributed
+run = load_config("scalerl-cpu", None, ["rollout.sync_timeout_s=900"])
+init_distributed(run.parallel, 0, timeout_s=run.collective_timeout_s)
+groups = (dist.group.WORLD, ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group())
+print([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups])
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert ast.literal_eval(done.stdout.strip().splitlines()[-1]) == [4200.0] * 3  # 2 x 2 x 900 s + 10 min
+    assert load_config("scalerl", "llama3_8b").collective_timeout_s == 1800.0  # megatron-core's 30 min floor
