@@ -4,6 +4,8 @@
     megatron-rl check --recipe R [--model M] [k=v]   resolve and validate a run config, print the plan
     megatron-rl plan --recipe R [--model M] [--allocation NxG] [k=v]
                                                      memory per trainer GPU and engine; refuses what won't fit
+    megatron-rl node-check --recipe R [--model M] [--gpus N] [k=v]
+                                                     this GPU node's driver and GPUs against the run
     megatron-rl train --recipe R [--model M] [k=v]   run (or resume) a ScaleRL training run
     megatron-rl fit RUNS.jsonl ... [options]         fit / predict / compare scaling curves
     megatron-rl convert --from-hf | --to-hf ...      Hugging Face <-> Megatron checkpoints
@@ -139,6 +141,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_node_check(args: argparse.Namespace) -> int:
+    config = load_config(args.recipe, args.model, args.overrides)
+    from megatron_rl.orchestration.node_check import check_node
+
+    print(check_node(config, args.gpus), flush=True)
+    return 0
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.model, args.overrides)
     config.check_starting_model()
@@ -189,6 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_args(plan)
     plan.add_argument("--allocation", help="NODESxGPUS_PER_NODE: also check the GPU split against it")
     plan.set_defaults(func=_cmd_plan)
+    node = sub.add_parser("node-check", help="this GPU node's driver and GPUs against the run (Slurm bootstrap)")
+    _add_run_args(node)
+    node.add_argument("--gpus", type=int, help="GPUs the allocation gives each node")
+    node.set_defaults(func=_cmd_node_check)
     run = sub.add_parser("train", help="run (or resume) a ScaleRL training run")
     _add_run_args(run)
     run.set_defaults(func=_cmd_train)

@@ -57,6 +57,25 @@ cpus_per_node=${SLURM_CPUS_ON_NODE:-$(getconf _NPROCESSORS_ONLN)}
 echo "[bootstrap] job ${SLURM_JOB_ID:-?} (restart ${SLURM_RESTART_COUNT:-0}): $num_nodes node(s), $gpus_per_node GPU(s) each; run $RUN_NAME"
 "$MRL" check --recipe "$RECIPE" "${model_arg[@]}" --allocation "${num_nodes}x${gpus_per_node}" "${overrides[@]}"
 
+# What every node inherits through srun (the site hook or the caller may set each beforehand):
+# - MRL_SOCKET_IFNAME: the network interface gloo and NCCL bootstrap on. Set it on multi-homed nodes (the
+#   interface the other nodes reach), where the first one found may be a management or container network.
+if [ -n "${MRL_SOCKET_IFNAME:-}" ]; then
+  export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-$MRL_SOCKET_IFNAME}
+  export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-$MRL_SOCKET_IFNAME}
+fi
+# - kernel JIT caches on node-local disk: flashinfer and triton compile kernels at first use, and a cache in a
+#   shared $HOME is slow to fill and written by every node at once.
+export MRL_JIT_CACHE=${MRL_JIT_CACHE:-/tmp/${USER:-mrl}/megatron_rl-jit}
+export FLASHINFER_WORKSPACE_BASE=${FLASHINFER_WORKSPACE_BASE:-$MRL_JIT_CACHE/flashinfer}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$MRL_JIT_CACHE/triton}
+
+# Every GPU node: its driver runs the image's CUDA and its GPUs are those the run was planned for.
+if [ "$gpus_per_node" -gt 0 ]; then
+  srun --nodes="$num_nodes" --ntasks-per-node=1 --overlap \
+    "$MRL" node-check --recipe "$RECIPE" "${model_arg[@]}" --gpus "$gpus_per_node" "${overrides[@]}"
+fi
+
 # One shared token for Ray's authentication: every srun step inherits the environment.
 RAY_AUTH_TOKEN=${RAY_AUTH_TOKEN:-$(python -c "import secrets; print(secrets.token_hex(32))")}
 export RAY_AUTH_TOKEN RAY_AUTH_MODE=token

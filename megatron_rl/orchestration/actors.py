@@ -30,6 +30,9 @@ class TrainerWorker(Placed):
         os.environ.update(
             RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port)
         )
+        # Packed rows vary in length from step to step: without expandable segments the caching allocator
+        # fragments into blocks of every size (read at the first CUDA allocation, which comes after this).
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         quiet_megatron()
         import torch
 
