@@ -77,11 +77,15 @@ class TrainerWorker(Placed):
 
     def push_weights(self) -> dict[str, float]:
         """Gather the full weights under HF names (all ranks) and send them to the engines (rank 0)."""
+        import torch
+
         from megatron_rl.trainer.weights import iter_hf_weights
 
-        buckets = iter_hf_weights(self.trainer.model, self.run.model, self.run.rollout.sync_bucket_mb << 20)
+        engine_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(self.run.rollout.engine.dtype)
+        bucket_bytes = self.run.rollout.sync_bucket_mb << 20
+        buckets = iter_hf_weights(self.trainer.model, self.run.model, bucket_bytes, dtype=engine_dtype, dst=0)
         if self.rank != 0:
-            for _ in buckets:  # take part in the gathers
+            for _ in buckets:  # take part in the gathers (rank 0 alone receives the tensors)
                 pass
             return {}
         try:

@@ -184,8 +184,13 @@ def _device(model: Any) -> torch.device:
     return next(model.parameters()).device
 
 
-def iter_full_weights(model: Any, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, Tensor]]]:
-    """Buckets of (canonical name, full tensor), on every rank; every trainer rank must iterate to the end."""
+def iter_full_weights(
+    model: Any, bucket_bytes: int = 512 << 20, keep: bool = True
+) -> Iterator[list[tuple[str, Tensor]]]:
+    """Buckets of (canonical name, full tensor), on every rank; every trainer rank must iterate to the end.
+
+    `keep=False`: this rank takes part in the collectives but keeps nothing (it yields no bucket), so it holds
+    one full tensor at a time instead of a bucket (the weight sync: only rank 0 sends)."""
     ps = _parallel()
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_size, pp_rank = _size(pp_group), _rank(pp_group)
@@ -205,6 +210,8 @@ def iter_full_weights(model: Any, bucket_bytes: int = 512 << 20) -> Iterator[lis
             if pp_size > 1:
                 tensor = tensor.contiguous()
                 dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
+            if not keep:
+                continue
             bucket.append((name, tensor))
             size += tensor.numel() * tensor.element_size()
             if size >= bucket_bytes:
@@ -295,16 +302,23 @@ def _all_ranks(unknown: list[str], duplicated: list[str], mismatched: list[str],
     return [(kind, [n for rank in everyone for n in rank[k]]) for k, kind in enumerate(kinds)]
 
 
-def iter_hf_weights(model: Any, cfg: Any, bucket_bytes: int = 512 << 20) -> Iterator[list[tuple[str, Tensor]]]:
+def iter_hf_weights(
+    model: Any, cfg: Any, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, dst: int | None = 0
+) -> Iterator[list[tuple[str, Tensor]]]:
     """`iter_full_weights` under Hugging Face names (weight sync to the engines); same collective contract.
 
-    Llama-4's fused expert stacks come out whole once their layer's last expert has passed.
+    Only global rank `dst` receives buckets (None: every rank); the others take part in the gathers and yield
+    nothing, so they build neither buckets nor Llama-4's fused expert stacks (which come out whole once their
+    layer's last expert has passed). `dtype` casts each tensor as it is mapped: the dtype the engines hold, so
+    an fp32 LM head goes to bf16 engines in bf16 (they would round it on copy) at half the bytes.
     """
     from megatron_rl.models import HFMapper
 
+    keep = dst is None or not dist.is_initialized() or dist.get_rank() == dst
     mapper = HFMapper(cfg)
-    for bucket in iter_full_weights(model, bucket_bytes):
-        out = [pair for name, tensor in bucket for pair in mapper.map(name, tensor)]
+    for bucket in iter_full_weights(model, bucket_bytes, keep=keep):
+        out = [(name, t if dtype is None else t.to(dtype)) for n, tensor in bucket for name, t in mapper.map(n, tensor)]
         if out:
             yield out
-    mapper.finish()
+    if keep:
+        mapper.finish()

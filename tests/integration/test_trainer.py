@@ -242,6 +242,19 @@ def test_tied_embeddings_keep_an_fp32_head_under_a_bf16_body(tmp_path):
 
 
 @pytest.mark.slow
+def test_weight_push_gives_rank_0_the_engines_dtype_and_the_other_ranks_nothing(tmp_path):
+    """TP 2, bf16 body, fp32 head: the push stream reaches rank 0 only, every tensor in the engines' bf16 (the
+    fp32 head rounded as the engine would round it on copy, at half the bytes); rank 1 builds no bucket."""
+    overrides = [*LR, "trainer.params_dtype=bf16", "parallel.tp=2", "parallel.trainer_devices=2"]
+    rank0, rank1 = _run(tmp_path, "push", {"overrides": overrides, "push": True}, world=2)
+    assert rank0["push"]["names"] == sorted(rank0["push"]["full_dtypes"]) and rank0["push"]["dtypes"] == [
+        "torch.bfloat16"
+    ]
+    assert rank0["push"]["full_dtypes"]["lm_head.weight"] == "torch.float32" and rank0["push"]["rounded"]
+    assert rank1["push"]["names"] == [] and rank1["push"]["full_dtypes"] == rank0["push"]["full_dtypes"]
+
+
+@pytest.mark.slow
 def test_resume_gives_the_bit_identical_next_step(tmp_path):
     (full,) = _run(tmp_path, "full", {"overrides": LR, "steps": 3, "save": str(tmp_path / "ck"), "save_after": 2})
     checkpoint = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text()

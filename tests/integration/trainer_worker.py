@@ -3,7 +3,7 @@
     python tests/integration/trainer_worker.py SPEC_JSON
 
 SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
-       "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, ...}.
+       "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, "push": bool, ...}.
 Every rank writes its results to `out.rank<r>`: log-probs of a fixed batch before training, its packed rows,
 then the loss and grad norm of each step; on request ("grads", "record_collectives", "record_checkpoints")
 the last step's gradients, what each collective received, and megatron's activation checkpoints per phase.
@@ -196,15 +196,21 @@ def main(spec: dict) -> None:
     batch = fixed_batch(vocab=run.model.vocab_size, **spec.get("batch", {}))
     if spec.get("dump_batch") and torch.distributed.get_rank() == 0:
         torch.save(batch, spec["dump_batch"])
-    if spec.get("dump_hf"):
+    push = None
+    if spec.get("push"):  # the weight sync's stream: rank 0 receives it in the engines' dtype, the others nothing
         from megatron_rl.trainer.weights import iter_hf_weights
 
-        exported = {
-            name: t.clone() for bucket in iter_hf_weights(trainer.model, run.model, 1 << 16) for name, t in bucket
+        pushed = {
+            n: t.clone() for b in iter_hf_weights(trainer.model, run.model, 1 << 16, torch.bfloat16) for n, t in b
         }
-        if torch.distributed.get_rank() == 0:
-            torch.save(exported, spec["dump_hf"])
-    result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": [], "checkpoints": []}
+        everywhere = {n: t.clone() for b in iter_hf_weights(trainer.model, run.model, 1 << 16, dst=None) for n, t in b}
+        push = {
+            "names": sorted(pushed),
+            "dtypes": sorted({str(t.dtype) for t in pushed.values()}),
+            "full_dtypes": {n: str(t.dtype) for n, t in everywhere.items()},
+            "rounded": all(torch.equal(pushed[n], everywhere[n].to(torch.bfloat16)) for n in pushed),
+        }
+    result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": [], "checkpoints": [], "push": push}
     if checkpoints is not None:  # [log-probs, step 1, ...]: {"forward"/"backward": {checkpointed by: count}}
         result["checkpoints"].append(_take(checkpoints))
     micro_batches = trainer._micro_batches(sequences_from_groups(batch, run))
