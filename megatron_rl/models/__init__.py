@@ -19,8 +19,9 @@ Family modules (llama, qwen3, qwen3_moe, llama4) each define
     hf_config(cfg) / model_config(hf) ModelConfig -> config.json arguments, and back
 
 and optionally `checkpoint_prefix(names)`, `skipped(hf_name)`, `text_config(hf)` (Llama-4's multimodal
-Hub checkpoint). Canonical megatron names are defined in trainer/weights.py (TP=PP=EP=1, global layer
-and expert indices, local-spec norm names). `tiny.py` builds a random HF checkpoint of any family.
+Hub checkpoint), `engine_to_hf(name, tensor, cfg)` (the engines' weight-update names where they differ).
+Canonical megatron names are defined in trainer/weights.py (TP=PP=EP=1, global layer and expert indices,
+local-spec norm names). `tiny.py` builds a random HF checkpoint of any family.
 """
 
 from __future__ import annotations
@@ -78,9 +79,15 @@ def model_config_from_hf(hf_dir: str | Path, name: str | None = None) -> ModelCo
     return cfg
 
 
-def to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:
-    """One canonical tensor under HF names; fused HF tensors come as `Stacked` parts (use HFMapper)."""
-    return family(cfg).to_hf(name, tensor, cfg)  # type: ignore[no-any-return]
+def to_hf(name: str, tensor: Tensor, cfg: ModelConfig, engine: bool = False) -> HFTensors:
+    """One canonical tensor under HF names; fused HF tensors come as `Stacked` parts (use HFMapper).
+
+    `engine`: the names the engines' loader takes in a weight update, where a family's differ from its
+    checkpoint's (`engine_to_hf`: Llama-4's experts one by one instead of fused per layer)."""
+    module = family(cfg)
+    if engine and hasattr(module, "engine_to_hf"):
+        return module.engine_to_hf(name, tensor, cfg)  # type: ignore[no-any-return]
+    return module.to_hf(name, tensor, cfg)  # type: ignore[no-any-return]
 
 
 def from_hf(cfg: ModelConfig) -> Iterator[FromHF]:
@@ -97,14 +104,16 @@ class HFMapper:
     holds at most the stacks being filled; `finish()` raises if one is incomplete.
     """
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, engine: bool = False) -> None:
         family(cfg).check(cfg)
         self.cfg = cfg
+        self.engine = engine
+        """Map to the engines' weight-update names (`to_hf(engine=True)`) instead of the checkpoint's."""
         self._stacks: dict[str, list[Tensor | None]] = {}
 
     def map(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
         out = []
-        for hf_name, value in to_hf(name, tensor, self.cfg):
+        for hf_name, value in to_hf(name, tensor, self.cfg, self.engine):
             if not isinstance(value, Stacked):
                 out.append((hf_name, value))
                 continue

@@ -11,7 +11,8 @@ Attention as Llama (no biases); the L2 QK-norm has no weights. The feed-forward 
 HF stores the routed experts fused per layer, `gate_up_proj` [experts, hidden, 2 x ffn] (gate columns first)
 and `down_proj` [experts, ffn, hidden], i.e. transposed relative to a linear layer's weight. Importing reads
 one expert's slice at a time; exporting assembles the stack from the per-expert megatron tensors
-(`Stacked`). Dense layers (`interleave_moe_layer_step` > 1, Maverick) use `feed_forward.{gate,up,down}_proj`.
+(`Stacked`). A weight push sends the experts one by one instead (`engine_to_hf`), as SGLang's loader accepts.
+Dense layers (`interleave_moe_layer_step` > 1, Maverick) use `feed_forward.{gate,up,down}_proj`.
 
 Chunked local attention on RoPE layers (`attention_chunk_size`) and attention-temperature tuning on NoPE
 layers (`attn_temperature_tuning`, `floor_scale`, `attn_scale`) are read into the model config and applied by
@@ -81,6 +82,20 @@ def to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:
     if mapped is None:
         raise KeyError(f"{cfg.family}: no Hugging Face name for megatron tensor {name!r}")
     return mapped
+
+
+def engine_to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:
+    """The weight-update names SGLang's Llama-4 loader takes: the routed experts one by one, as linear weights
+    (`feed_forward.experts.{e}.{gate,up,down}_proj.weight`, matched by its FusedMoE expert mapping), so that a
+    push never assembles a layer's fused stack (Scout: 4 GB per layer, twice while stacking); else `to_hf`."""
+    split = layers.split_layer_name(name)
+    if split is not None and split[1].startswith(_EXPERT):
+        layer, rest = split
+        expert, leaf = rest.removeprefix(_EXPERT).split(".", 1)
+        mapped = layers.mlp_to_hf(leaf, tensor, f"model.layers.{layer}.feed_forward.experts.{expert}.")
+        if mapped is not None:
+            return mapped
+    return to_hf(name, tensor, cfg)
 
 
 def _expert_slice(hf_name: str, expert: int, reader: Reader) -> Tensor:

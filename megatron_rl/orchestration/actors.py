@@ -83,7 +83,9 @@ class TrainerWorker(Placed):
 
         engine_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(self.run.rollout.engine.dtype)
         bucket_bytes = self.run.rollout.sync_bucket_mb << 20
-        buckets = iter_hf_weights(self.trainer.model, self.run.model, bucket_bytes, dtype=engine_dtype, dst=0)
+        buckets = iter_hf_weights(
+            self.trainer.model, self.run.model, bucket_bytes, dtype=engine_dtype, dst=0, engine=True
+        )
         if self.rank != 0:
             for _ in buckets:  # take part in the gathers (rank 0 alone receives the tensors)
                 pass

@@ -164,10 +164,13 @@ def _split_tp(full: Tensor, dim: int, size: int, rank: int, glu: bool) -> Tensor
     return full.chunk(size, dim)[rank]
 
 
-def _whole(shard: _Shard) -> Tensor:
-    """Collective within the stage: the full tensor, on every rank of the stage."""
+def _whole(shard: _Shard, dtype: torch.dtype | None = None) -> Tensor:
+    """Collective within the stage: the full tensor (in `dtype`, cast before it is gathered), on every rank of
+    the stage."""
     ps = _parallel()
     tensor = shard.param.detach()
+    if dtype is not None and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
     if shard.expert_owner is not None:
         ep_group = ps.get_expert_model_parallel_group()
         if _size(ep_group) > 1:
@@ -185,17 +188,19 @@ def _device(model: Any) -> torch.device:
 
 
 def iter_full_weights(
-    model: Any, bucket_bytes: int = 512 << 20, keep: bool = True
+    model: Any, bucket_bytes: int = 512 << 20, keep: bool = True, dtype: torch.dtype | None = None
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """Buckets of (canonical name, full tensor), on every rank; every trainer rank must iterate to the end.
 
     `keep=False`: this rank takes part in the collectives but keeps nothing (it yields no bucket), so it holds
-    one full tensor at a time instead of a bucket (the weight sync: only rank 0 sends)."""
+    one full tensor at a time instead of a bucket (the weight sync: only rank 0 sends). `dtype`: every shard is
+    cast before it is gathered, so the gathers move and hold that dtype (an fp32 head gathered for bf16 engines
+    costs half)."""
     ps = _parallel()
     pp_group = ps.get_pipeline_model_parallel_group()
     pp_size, pp_rank = _size(pp_group), _rank(pp_group)
     shards = _stage_shards(model)
-    mine = [(s.name, s.full_shape, s.param.dtype) for s in shards]
+    mine = [(s.name, s.full_shape, dtype or s.param.dtype) for s in shards]
     plan: list[Any] = [mine]
     if pp_size > 1:  # every stage learns the names, shapes and dtypes of the others'
         plan = [None] * pp_size
@@ -205,8 +210,8 @@ def iter_full_weights(
     size = 0
     for stage, entries in enumerate(plan):
         local = pp_size == 1 or stage == pp_rank
-        for index, (name, shape, dtype) in enumerate(entries):
-            tensor = _whole(shards[index]) if local else torch.empty(shape, dtype=dtype, device=device)
+        for index, (name, shape, kind) in enumerate(entries):
+            tensor = _whole(shards[index], dtype) if local else torch.empty(shape, dtype=kind, device=device)
             if pp_size > 1:
                 tensor = tensor.contiguous()
                 dist.broadcast(tensor, src=dist.get_global_rank(pp_group, stage), group=pp_group)
@@ -303,21 +308,27 @@ def _all_ranks(unknown: list[str], duplicated: list[str], mismatched: list[str],
 
 
 def iter_hf_weights(
-    model: Any, cfg: Any, bucket_bytes: int = 512 << 20, dtype: torch.dtype | None = None, dst: int | None = 0
+    model: Any,
+    cfg: Any,
+    bucket_bytes: int = 512 << 20,
+    dtype: torch.dtype | None = None,
+    dst: int | None = 0,
+    engine: bool = False,
 ) -> Iterator[list[tuple[str, Tensor]]]:
     """`iter_full_weights` under Hugging Face names (weight sync to the engines); same collective contract.
 
     Only global rank `dst` receives buckets (None: every rank); the others take part in the gathers and yield
     nothing, so they build neither buckets nor Llama-4's fused expert stacks (which come out whole once their
-    layer's last expert has passed). `dtype` casts each tensor as it is mapped: the dtype the engines hold, so
-    an fp32 LM head goes to bf16 engines in bf16 (they would round it on copy) at half the bytes.
+    layer's last expert has passed). `dtype` casts each shard before it is gathered: the dtype the engines hold,
+    so an fp32 LM head goes to bf16 engines in bf16 (they would round it on copy) at half the bytes and half the
+    gather's memory. `engine`: the engines' weight-update names (models.to_hf(engine=True)).
     """
     from megatron_rl.models import HFMapper
 
     keep = dst is None or not dist.is_initialized() or dist.get_rank() == dst
-    mapper = HFMapper(cfg)
-    for bucket in iter_full_weights(model, bucket_bytes, keep=keep):
-        out = [(name, t if dtype is None else t.to(dtype)) for n, tensor in bucket for name, t in mapper.map(n, tensor)]
+    mapper = HFMapper(cfg, engine=engine)
+    for bucket in iter_full_weights(model, bucket_bytes, keep=keep, dtype=dtype):
+        out = [pair for name, tensor in bucket for pair in mapper.map(name, tensor)]
         if out:
             yield out
     if keep:
