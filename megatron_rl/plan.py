@@ -164,6 +164,42 @@ def logprob_bytes(run: RunConfig, vocab_per_rank: int) -> float:
     return 2 * 4.0 * tokens * h + 3 * 4.0 * chunk_tokens * vocab_per_rank
 
 
+@dataclass(frozen=True)
+class PushMemory:
+    """The transient bytes of one weight push (trainer/weights.py iter_hf_weights -> generator/weight_sync.py),
+    from the model's canonical tensors and their push dtype. It comes between steps, when the step's activations
+    are freed, so a trainer rank needs max(activations, push) on top of its steady state."""
+
+    largest: float
+    """The largest full tensor in the engines' dtype."""
+    largest_name: str
+    rank0: float
+    """Trainer rank 0 (the sender): a bucket being filled while a tensor is gathered (its TP pieces and their
+    concatenation), or a full bucket and its flat copy for the broadcast: 2 x (bucket + largest tensor)."""
+    other: float
+    """Other trainer ranks keep nothing: the gather of one tensor, pieces and concatenation."""
+    engine: float
+    """An engine receives one flat bucket at a time, outside its static pool."""
+
+
+def push_memory(run: RunConfig) -> PushMemory:
+    from megatron_rl.models import canonical_shapes
+
+    m, t = run.model, run.trainer
+    engine_bytes = {"bfloat16": 2, "float32": 4}.get(run.rollout.engine.dtype)
+    body = 2 if t.params_dtype == "bf16" else 4
+
+    def size(name: str, shape: tuple[int, ...]) -> float:
+        head = name in ("output_layer.weight", "embedding.word_embeddings.weight") and t.fp32_lm_head
+        return float(math.prod(shape) * (engine_bytes or (4 if head else body)))
+
+    sizes = {name: size(name, shape) for name, shape in canonical_shapes(m).items()}
+    name = max(sizes, key=sizes.__getitem__)
+    largest = sizes[name]
+    bucket = float(run.rollout.sync_bucket_mb << 20)
+    return PushMemory(largest, name, 2 * (bucket + largest), 2 * largest, bucket + largest)
+
+
 # --------------------------------------------------------------------------------------------------
 # Parameters per rank (megatron's model on the meta device, as one rank of the full world)
 
@@ -307,11 +343,15 @@ class RankMemory:
     optimizer: float
     activations: float
     logprobs: float
+    push: float = 0.0
+    """The weight push's transient on the stage's busiest rank (rank 0 on stage 0): between steps, so it
+    competes with the step's activations and log-probs, not in addition to them."""
     reserve: float = RESERVE_GIB * GIB
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logprobs + self.reserve
+        transient = max(self.activations + self.logprobs, self.push)
+        return self.weights + self.gradients + self.optimizer + transient + self.reserve
 
 
 @dataclass
@@ -365,6 +405,7 @@ class Plan:
     device: float
     ranks: list[RankMemory]
     engine: EngineMemory | None
+    push: PushMemory
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -375,7 +416,7 @@ class Plan:
         return not self.problems
 
 
-def rank_memory(run: RunConfig, stage: int, params: StageParameters) -> RankMemory:
+def rank_memory(run: RunConfig, stage: int, params: StageParameters, push: PushMemory) -> RankMemory:
     p, moe = run.parallel, run.model.is_moe
     body = 2.0 if run.trainer.params_dtype == "bf16" else 4.0
     local = params.dense + params.expert
@@ -394,6 +435,7 @@ def rank_memory(run: RunConfig, stage: int, params: StageParameters) -> RankMemo
         optimizer=optimizer,
         activations=stage_activation_bytes(run, stage),
         logprobs=logprob_bytes(run, params.vocab_per_rank) if params.last else 0.0,
+        push=push.rank0 if stage == 0 else push.other,
     )
 
 
@@ -429,17 +471,23 @@ def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
     """The memory plan of `run`; with `suggest`, the smallest layout changes that make a refused plan fit."""
     device = run.compute.device_memory_gib * GIB
     stages = [stage_parameters(run, s) for s in range(run.parallel.pp)]
-    ranks = [rank_memory(run, s, params) for s, params in enumerate(stages)]
+    push = push_memory(run)
+    ranks = [rank_memory(run, s, params, push) for s, params in enumerate(stages)]
     total_params = _total_parameters(run, stages)
     engine = engine_memory(run, total_params, device)
-    plan = Plan(run, device, ranks, engine)
+    plan = Plan(run, device, ranks, engine, push)
     for rank in ranks:
         if rank.total > device:
+            transient = (
+                f"activations {rank.activations / GIB:.1f} + log-probs {rank.logprobs / GIB:.1f}"
+                if rank.activations + rank.logprobs >= rank.push
+                else f"weight push {rank.push / GIB:.1f} (largest tensor {push.largest_name}: "
+                f"{push.largest / GIB:.1f} GiB; rollout.sync_bucket_mb={run.rollout.sync_bucket_mb})"
+            )
             plan.problems.append(
                 f"trainer stage {rank.stage}: {rank.total / GIB:.1f} GiB per GPU > {device / GIB:.1f} GiB "
                 f"(weights {rank.weights / GIB:.1f} + gradients {rank.gradients / GIB:.1f} + optimizer "
-                f"{rank.optimizer / GIB:.1f} + activations {rank.activations / GIB:.1f} + log-probs "
-                f"{rank.logprobs / GIB:.1f} + reserve {rank.reserve / GIB:.1f})"
+                f"{rank.optimizer / GIB:.1f} + {transient} + reserve {rank.reserve / GIB:.1f})"
             )
     if engine is not None:
         need = engine.kv_per_token * engine.longest
@@ -451,13 +499,13 @@ def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
                 f"{need / GIB:.2f} GiB"
             )
         outside = (1 - run.rollout.engine.mem_fraction) * device - ENGINE_RESERVE_GIB * GIB
-        if engine.request_table > outside:
+        if engine.request_table + push.engine > outside:
             plan.problems.append(
                 f"engine: SGLang's request table ({engine.requests + 1} slots x {engine.context} tokens x 4 B = "
-                f"{engine.request_table / GIB:.1f} GiB) does not fit the {outside / GIB:.1f} GiB left outside "
-                f"rollout.engine.mem_fraction={run.rollout.engine.mem_fraction} after the engine's "
-                f"{ENGINE_RESERVE_GIB:.0f} GiB reserve; lower rollout.context_length (max_prompt_tokens, "
-                "interruption.max_thinking_tokens, answer_tokens) or rollout.engine.mem_fraction"
+                f"{engine.request_table / GIB:.1f} GiB) and a pushed bucket ({push.engine / GIB:.1f} GiB) do not "
+                f"fit the {outside / GIB:.1f} GiB left outside rollout.engine.mem_fraction="
+                f"{run.rollout.engine.mem_fraction} after the engine's {ENGINE_RESERVE_GIB:.0f} GiB reserve; lower "
+                "rollout.engine.mem_fraction, rollout.sync_bucket_mb or rollout.context_length"
             )
         plan.warnings += kv_warnings(run, engine)
     if plan.problems and suggest:
@@ -520,15 +568,21 @@ def format_plan(plan: Plan) -> str:
         f"EP {p.ep} x ETP {p.expert_tp(run.model.is_moe)} x EDP {p.expert_dp(run.model.is_moe)}), "
         f"recompute {run.trainer.recompute.granularity}, SP {'on' if p.sequence_parallel else 'off'}, "
         f"rows of {run.trainer.micro_batch_tokens} tokens; device {plan.device / GIB:.1f} GiB",
-        f"{'':14}{'params':>9}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'logp':>7}{'rsrv':>7}{'total':>8}",
+        f"{'':14}{'params':>9}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'logp':>7}{'push':>7}{'rsrv':>7}"
+        f"{'total':>8}",
     ]
     for r in plan.ranks:
         params = (r.dense_params + r.expert_params) / 1e9
         lines.append(
             f"trainer PP{r.stage:<6}{params:>8.2f}B{r.weights / GIB:>9.1f}{r.gradients / GIB:>8.1f}"
-            f"{r.optimizer / GIB:>8.1f}{r.activations / GIB:>8.1f}{r.logprobs / GIB:>7.1f}{r.reserve / GIB:>7.1f}"
-            f"{r.total / GIB:>8.1f}"
+            f"{r.optimizer / GIB:>8.1f}{r.activations / GIB:>8.1f}{r.logprobs / GIB:>7.1f}{r.push / GIB:>7.1f}"
+            f"{r.reserve / GIB:>7.1f}{r.total / GIB:>8.1f}"
         )
+    lines.append(
+        f"  (push: a weight push between steps, instead of activ + logp when larger; rank 0 sends "
+        f"{run.rollout.sync_bucket_mb} MiB buckets, largest tensor {plan.push.largest_name} "
+        f"{plan.push.largest / GIB:.2f} GiB)"
+    )
     if plan.engine is not None:
         e, engine = plan.engine, run.rollout.engine
         lines.append(

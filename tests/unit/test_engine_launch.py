@@ -95,3 +95,20 @@ print([g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for 
     assert done.returncode == 0, done.stderr[-2000:]
     assert ast.literal_eval(done.stdout.strip().splitlines()[-1]) == [4200.0] * 3  # 2 x 2 x 900 s + 10 min
     assert load_config("scalerl", "llama3_8b").collective_timeout_s == 1800.0  # megatron-core's 30 min floor
+
+
+def test_the_weight_push_transient_is_planned_from_the_models_tensors():
+    """Llama-3.1-8B pushed to bf16 engines: the largest tensor is the embedding (128,256 x 4,096 x 2 B, the fp32
+    head going out in bf16 is the same size); rank 0 holds a bucket and its flat copy, each up to a bucket plus
+    that tensor. A bucket too large for the step's free memory is refused naming the field."""
+    from megatron_rl.plan import push_memory
+
+    run = load_config("scalerl", "llama3_8b")
+    push = push_memory(run)
+    largest = 128_256 * 4_096 * 2
+    assert push.largest == largest and push.largest_name == "embedding.word_embeddings.weight"
+    assert push.rank0 == 2 * ((512 << 20) + largest) and push.other == 2 * largest
+    plan = make_plan(run, suggest=False)
+    assert plan.ranks[0].push == push.rank0 < plan.ranks[0].activations  # the step's activations dominate
+    huge = make_plan(load_config("scalerl", "llama3_8b", ["rollout.sync_bucket_mb=30000"]), suggest=False)
+    assert any("weight push" in p and "rollout.sync_bucket_mb=30000" in p for p in huge.problems), huge.problems

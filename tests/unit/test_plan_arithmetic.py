@@ -88,10 +88,10 @@ def test_a_kv_pool_short_of_the_sequences_in_flight_is_a_warning_with_the_counts
 
     run = load_config("scalerl", "llama3_8b")
     per_sequence = 131072.0 * 16384  # Llama-3.1-8B: 2 (K, V) x 2 B x 32 layers x 8 KV heads x 128 = 128 KiB per token
-    short = EngineMemory(15 * GIB, 131072.0, 8.5 * per_sequence, 16384, 24)
+    short = EngineMemory(15 * GIB, 131072.0, 8.5 * per_sequence, 16384, 24, context=16448)
     assert (short.pool_sequences, short.fitting) == (8, 8)
     (warning,) = kv_warnings(run, short)
     assert "the KV pool holds 8 of the 24 sequences in flight per engine at 16384 tokens each" in warning
     assert "(pipeline, k=8: 2 x 48 prompts x 16 generations over 64 engines); SGLang queues the rest" in warning
-    roomy = EngineMemory(15 * GIB, 131072.0, 26 * per_sequence, 16384, 24)
+    roomy = EngineMemory(15 * GIB, 131072.0, 26 * per_sequence, 16384, 24, context=16448)
     assert kv_warnings(run, roomy) == [] and roomy.fitting == 24
