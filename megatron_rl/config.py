@@ -111,7 +111,7 @@ class ModelConfig:
     kv_channels: int | None = None
     """Head dimension; null = hidden_size / num_attention_heads."""
     vocab_size: int = 512
-    max_position_embeddings: int = 32768  # the default name is tiny_dense: as its model config
+    max_position_embeddings: int = 2048
     rotary_base: float = 10000.0
     rope_scaling_factor: float | None = None
     """Llama-3.1 style RoPE frequency scaling factor (8.0 for Llama-3.1); null = none."""
@@ -796,13 +796,6 @@ class RunConfig:
                 _fail("parallel.etp", f"must divide the expert ffn hidden size {expert_ffn}, got {etp}")
             if p.tp > 1 and not p.sequence_parallel:
                 _fail("parallel.sequence_parallel", "megatron-core requires sequence parallel for MoE with tp > 1")
-        if self.rollout.context_length > m.max_position_embeddings:
-            _fail(
-                "rollout.max_prompt_tokens",
-                "prompt + thinking + answer budgets and the interruption phrase "
-                f"({self.rollout.context_length} tokens) exceed model.max_position_embeddings="
-                f"{m.max_position_embeddings}: the engines refuse such a context",
-            )
         self.check_recompute()
         self.check_kernels()
         self.check_row_budget(phrase_tokens=0)
@@ -817,8 +810,25 @@ class RunConfig:
                 f"a GPU run starts RL from a pretrained Hugging Face checkpoint of {self.model.name}; set "
                 "model.hf_path=/path/to/checkpoint (Slurm: MODEL_PATH=/path/to/checkpoint sbatch slurm/...)",
             )
-        if self.model.hf_path and not (Path(self.model.hf_path) / "config.json").is_file():
-            _fail("model.hf_path", f"{self.model.hf_path} has no config.json (not a Hugging Face checkpoint directory)")
+        if self.model.hf_path:
+            self.check_context(Path(self.model.hf_path))
+
+    def check_context(self, hf_dir: Path) -> None:
+        """The engines load `hf_dir` and refuse a --context-length beyond its config.json's positions: the
+        rollout's longest sequence (`rollout.context_length`) must fit them."""
+        path = Path(hf_dir) / "config.json"
+        if not path.is_file():
+            _fail("model.hf_path", f"{hf_dir} has no config.json (not a Hugging Face checkpoint directory)")
+        hf = json.loads(path.read_text())
+        positions = hf.get("max_position_embeddings") or (hf.get("text_config") or {}).get("max_position_embeddings")
+        if positions and self.rollout.context_length > positions:
+            _fail(
+                "rollout.context_length",
+                f"prompt + thinking + answer budgets and the interruption phrase ({self.rollout.context_length} "
+                f"tokens) exceed the {positions} positions of {path} (max_position_embeddings): the engines refuse "
+                "such a context; lower rollout.max_prompt_tokens, rollout.interruption.max_thinking_tokens or "
+                "rollout.answer_tokens",
+            )
 
     def check_kernels(self) -> None:
         """A fused kernel forced on where the run's nodes do not have it stops here, not at model build."""

@@ -112,3 +112,20 @@ def test_the_weight_push_transient_is_planned_from_the_models_tensors():
     assert plan.ranks[0].push == push.rank0 < plan.ranks[0].activations  # the step's activations dominate
     huge = make_plan(load_config("scalerl", "llama3_8b", ["rollout.sync_bucket_mb=30000"]), suggest=False)
     assert any("weight push" in p and "rollout.sync_bucket_mb=30000" in p for p in huge.problems), huge.problems
+
+
+def test_a_context_beyond_the_checkpoints_positions_is_refused_before_the_engines_start(tmp_path):
+    """SGLang refuses --context-length beyond the checkpoint's max_position_embeddings (nested under text_config in
+    Scout's multimodal config.json): check and train say so first, naming the rollout budgets."""
+    import json
+
+    from megatron_rl.config import ConfigError
+
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"max_position_embeddings": 8192}}))
+    run = load_config("scalerl", "llama4_scout_17bx16e", [f"model.hf_path={tmp_path}"])
+    with pytest.raises(ConfigError, match=r"rollout.context_length: .*\(16448 tokens\) exceed the 8192 positions"):
+        run.check_starting_model()
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 131072}))
+    run.check_starting_model()
+    cpu = load_config("scalerl-cpu")
+    assert cpu.rollout.context_length <= cpu.model.max_position_embeddings  # the CPU run's model holds its rows
