@@ -129,3 +129,28 @@ def test_a_context_beyond_the_checkpoints_positions_is_refused_before_the_engine
     run.check_starting_model()
     cpu = load_config("scalerl-cpu")
     assert cpu.rollout.context_length <= cpu.model.max_position_embeddings  # the CPU run's model holds its rows
+
+
+def test_sglang_loads_the_plugin_that_keeps_one_unloaded_weights_warning_per_process():
+    """Through SGLang's own plugin loader, as its scheduler process does: Llama-4's per-bucket warning about the
+    weights a bucket does not carry passes once (the checkpoint load), and other warnings pass untouched."""
+    import subprocess
+    import sys
+
+    script = """
+import logging, sys
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(name)s: %(message)s")
+from sglang.srt.plugins import load_plugins
+load_plugins()
+log = logging.getLogger("sglang.srt.models.mllama4")
+for bucket in range(3):
+    log.warning(f"Some weights are not initialized from checkpoints {{'layers.{bucket}.w'}}")
+log.warning("a different warning")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("sglang.srt.models.mllama4")]
+    assert lines == [
+        "sglang.srt.models.mllama4: Some weights are not initialized from checkpoints {'layers.0.w'}",
+        "sglang.srt.models.mllama4: a different warning",
+    ]
