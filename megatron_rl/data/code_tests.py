@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from megatron_rl.data.assert_tests import plan_asserts
+
 
 def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """DeepCoder's per-case lists (LiveCodeBench, Codeforces, PrimeIntellect rows) as the dict form.
@@ -55,6 +57,9 @@ def _check_tests(tests: dict[str, Any]) -> None:
     if "asserts" in tests:
         if not isinstance(tests["asserts"], list) or not tests["asserts"]:
             raise ValueError("code tests: 'asserts' must be a non-empty list of statements")
+        if not all(isinstance(statement, str) for statement in tests["asserts"]):
+            raise ValueError("code tests: 'asserts' must be statements as strings")
+        plan_asserts(tests["asserts"])  # judged outside the sandbox: refuse at load what cannot be
         return
     if "inputs" not in tests or "outputs" not in tests:
         raise ValueError(

@@ -14,8 +14,15 @@ formats, all a dict in `Prompt.tests` (data/datasets.py):
   `class Solution` (LeetCode style). An output wrapped in a one-element list also matches (TACO stores
   them so). All cases run in one sandbox run; only the inputs enter the sandbox, the returned values are
   compared on the host (after a JSON round trip: tuples read as lists).
-- assert-based: {"asserts": ["assert f(1) == 2", ...]}: each statement runs after the program, in its
-  namespace, in one sandbox run.
+- assert-based: {"asserts": ["assert f(1) == 2", ...]}: each statement is split into probes (`f(1)`), which
+  one sandbox run evaluates in the program's namespace, and the rest (`== 2`), which the host evaluates on the
+  probes' values (data/assert_tests.py). Neither the statements nor their expected values enter the sandbox.
+
+Nothing the sandbox reports is a verdict. Returned values cross as tagged plain data (rewards/values.py) that the
+host decodes into builtin types only, and the host compares them with expected values the sandbox never sees;
+stdin/stdout outputs are compared on the host too. So a program that forges the harness's report (its result
+channel, an early exit with a fabricated report, rewritten globals or builtins) or returns an object whose `==`
+always answers True can only make the host compare other values, and passes only with the right ones.
 
 DeepCoder's per-case lists ([{"input", "output", "testtype", "metadata": {"func_name"}}, ...]) are
 converted to these forms once, when the dataset row is loaded (data/code_tests.py). Their functional
@@ -39,21 +46,26 @@ import re
 from typing import Any
 
 from megatron_rl.config import RewardsConfig
+from megatron_rl.data.assert_tests import plan_asserts
 from megatron_rl.data.code_tests import normalise_tests
 from megatron_rl.rewards.math import RewardResult, answer_part
 from megatron_rl.rewards.sandbox import EXIT_COMPILE_ERROR, EXIT_MEMORY, RunResult, get_sandbox
+from megatron_rl.rewards.values import ENCODE_SOURCE, decode_value
 
 FAILURES = ("no_code", "compile_error", "wrong_answer", "timeout", "memory", "crash", "output_limit")
 
 _FENCE = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
 
-# Runs in the sandbox next to solution.py and cases.json; writes one JSON line per case to the original
-# stdout, with the solution's own prints sent to /dev/null so they cannot be mistaken for results.
+# Runs in the sandbox next to solution.py and cases.json; writes one JSON line per case or probe to the original
+# stdout, with the solution's own prints sent to /dev/null. Nothing it writes is a verdict: a call's return
+# value or a probe's value, as tagged plain data (rewards/values.py), which the host compares with what it alone
+# knows. A solution that rewrites this harness, its channel or the encoder can only report other values.
 HARNESS = (
     f"""
 import json, os, sys
 COMPILE_ERROR, MEMORY = {EXIT_COMPILE_ERROR}, {EXIT_MEMORY}
 """
+    + ENCODE_SOURCE
     + r"""
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
@@ -85,14 +97,13 @@ def main():
         try:
             if spec["kind"] == "call":
                 value = fn(*case)
-                line = json.dumps({"ok": True, "value": value}, default=repr)
-            else:
-                exec(compile(case, "<assert>", "exec"), namespace)
-                line = json.dumps({"ok": True})
+            else:  # a probe: an expression of the test, evaluated in the solution's namespace
+                value = eval(compile(case["expr"], "<probe>", "eval"), namespace)
+                if case["assign"]:
+                    namespace[case["assign"]] = value
+            line = json.dumps({"ok": True, "value": encode_value(value)})
         except MemoryError:
             os._exit(MEMORY)
-        except AssertionError:
-            line = json.dumps({"ok": False, "error": "AssertionError"})
         except Exception as exc:
             line = json.dumps({"ok": False, "error": type(exc).__name__})
         results.write(line + "\n")
@@ -125,7 +136,7 @@ def code_reward(completion: str, tests: dict[str, Any] | list[dict[str, Any]], c
     if program is None:
         return RewardResult(cfg.incorrect, False, "no_code")
     if "asserts" in tests:
-        outcomes = _run_harness(program, "assert", list(tests["asserts"]), [None] * len(tests["asserts"]), cfg)
+        outcomes = _run_asserts(program, list(tests["asserts"]), cfg)
     elif "fn_name" in tests and tests["fn_name"]:
         outcomes = _run_harness(program, "call", tests["inputs"], tests["outputs"], cfg, fn_name=tests["fn_name"])
     else:
@@ -158,10 +169,13 @@ def _text(value: Any) -> str:
 
 
 def _matches(got: Any, expected: Any) -> bool:
-    if got == expected:
-        return True
-    # TACO wraps call-based outputs in a one-element list.
-    return isinstance(expected, list) and len(expected) == 1 and got == expected[0]
+    try:
+        if got == expected:
+            return True
+        # TACO wraps call-based outputs in a one-element list.
+        return isinstance(expected, list) and len(expected) == 1 and got == expected[0]
+    except TypeError:  # a value that is not plain data (data/assert_tests.py Opaque) equals nothing
+        return False
 
 
 def _run_stdio(program: str, inputs: list[str], outputs: list[str], cfg: RewardsConfig) -> list[str | None]:
@@ -186,32 +200,66 @@ def _run_stdio(program: str, inputs: list[str], outputs: list[str], cfg: Rewards
     return outcomes
 
 
+def _run_asserts(program: str, statements: list[str], cfg: RewardsConfig) -> list[str | None]:
+    """Assert-based tests: their probes evaluated in one sandbox run, each statement judged here on the values
+    (data/assert_tests.py); the statements themselves, and the values they expect, never enter the sandbox."""
+    plan = plan_asserts(statements)
+    cases = [{"expr": step.expr, "assign": step.assign} for step in plan.steps]
+    records, ended = _harness_records(program, "probe", cases, cfg)
+    return plan.judge(records, missing=ended)
+
+
 def _run_harness(
     program: str, kind: str, cases: list[Any], expected: list[Any], cfg: RewardsConfig, fn_name: str = ""
 ) -> list[str | None]:
-    """All cases in one sandbox run; a case without a result line failed the way the run ended."""
-    spec = {"kind": kind, "fn_name": fn_name, "cases": cases}
-    result = get_sandbox(cfg.sandbox).run(HARNESS, files={"solution.py": program, "cases.json": json.dumps(spec)})
-    lines = result.stdout.decode(errors="replace").splitlines()
+    """Call-based tests: all cases in one sandbox run, each returned value compared here with the expected one; a
+    case without a result line failed the way the run ended."""
+    records, ended = _harness_records(program, kind, cases, cfg, fn_name)
     outcomes: list[str | None] = []
-    ended = _failure(result) or "crash"  # exited 0 before reporting every case: it cut the harness short
     for index, want in enumerate(expected):
-        if index >= len(lines):
+        if index >= len(records):
             outcomes.append(ended)
             continue
-        try:
-            record = json.loads(lines[index])
-        except json.JSONDecodeError:
-            outcomes.append("crash")
-            continue
-        if not isinstance(record, dict) or not record.get("ok"):
-            error = record.get("error") if isinstance(record, dict) else None
-            outcomes.append("wrong_answer" if error == "AssertionError" else "crash")
-        elif kind == "call" and not _matches(record.get("value"), want):
+        ok, value = records[index]
+        if not ok:
+            outcomes.append("wrong_answer" if value == "AssertionError" else "crash")
+        elif not _matches(_as_json_data(value), want):
             outcomes.append("wrong_answer")
         else:
             outcomes.append(None)
     return outcomes
+
+
+def _harness_records(
+    program: str, kind: str, cases: list[Any], cfg: RewardsConfig, fn_name: str = ""
+) -> tuple[list[tuple[bool, Any]], str]:
+    """(ok, decoded value or error name) per line the harness wrote, and how the run ended for the cases it did
+    not report. A line that is not a well-formed record ends the records there (as a crash)."""
+    spec = {"kind": kind, "fn_name": fn_name, "cases": cases}
+    result = get_sandbox(cfg.sandbox).run(HARNESS, files={"solution.py": program, "cases.json": json.dumps(spec)})
+    ended = _failure(result) or "crash"  # exited 0 before reporting every case: it cut the harness short
+    records: list[tuple[bool, Any]] = []
+    for line in result.stdout.decode(errors="replace").splitlines()[: len(cases)]:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            return records, "crash"
+        if not isinstance(record, dict):
+            return records, "crash"
+        if record.get("ok") is True and "value" in record:
+            records.append((True, decode_value(record["value"])))
+        else:
+            records.append((False, str(record.get("error", "malformed"))))
+    return records, ended
+
+
+def _as_json_data(value: Any) -> Any:
+    """Call-based values as JSON would give them (tuples read as lists), as the expected outputs are stored."""
+    if isinstance(value, tuple | list):
+        return [_as_json_data(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _as_json_data(v) for k, v in value.items()}
+    return value
 
 
 def _failure(result: RunResult) -> str | None:

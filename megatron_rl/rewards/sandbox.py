@@ -43,9 +43,12 @@ What is not protected
   max_output_bytes of memfds and pipes) plus the scratch tmpfs. There is no I/O or CPU-share limit
   beyond CPU time in either case.
 - Per-user kernel state shared by every sandbox's uid: keyrings (no seccomp filter to forbid keyctl).
-- Reward hacking inside the harness process: a call-based or assert-based solution runs in the same
-  interpreter as its harness and can tamper with it; it still cannot learn expected outputs it is not
-  given (call-based), but asserts carry their expected values in the sandbox.
+- The harness process: a call-based or assert-based solution runs in the same interpreter as its harness
+  and can tamper with it (its report channel, globals, `json`, builtins). That decides no reward: the sandbox
+  reports values only, as tagged plain data, and the host compares them with expected values that never
+  enter the sandbox (rewards/code.py, data/assert_tests.py: assert statements are split into probes the
+  sandbox evaluates and checks the host evaluates). A tampered report can only carry other values, which
+  pass only if they are the right ones (tests/integration/test_reward_forgery.py).
 - Development mode (`allow_unisolated`, loudly logged): only rlimits (no process limit), a scratch cwd, a
   scrubbed environment and a process group, as the calling user; the program can read and write the
   host, use the network, fork-bomb the user and leave daemons.
