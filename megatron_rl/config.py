@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -503,6 +504,8 @@ class EngineConfig:
     218 GB: ~30 min)."""
 
     def __post_init__(self) -> None:
+        if self.tp < 1:
+            _fail("tp", f"must be >= 1, got {self.tp}")
         if self.ready_timeout_s is not None and not self.ready_timeout_s > 0:
             _fail(
                 "ready_timeout_s", f"must be > 0 seconds (null: sized from the checkpoint), got {self.ready_timeout_s}"
@@ -555,6 +558,9 @@ class RolloutConfig:
             _fail("sync_timeout_s", f"must be > 0, got {self.sync_timeout_s}")
         if self.prompts_per_step < 1:
             _fail("prompts_per_step", f"must be >= 1, got {self.prompts_per_step}")
+        for name in ("answer_tokens", "max_prompt_tokens", "sync_bucket_mb"):
+            if getattr(self, name) < 1:
+                _fail(name, f"must be >= 1, got {getattr(self, name)}")
         if self.generations_per_prompt < 2:
             _fail(
                 "generations_per_prompt",
@@ -649,6 +655,7 @@ class DataConfig:
             _fail("val_prompts", f"must be >= 0, got {self.val_prompts}")
 
 
+
 @dataclass
 class SandboxConfig:
     """Isolation limits for running model-written programs (rewards/sandbox.py)."""
@@ -661,6 +668,14 @@ class SandboxConfig:
     workers: int = 4
     allow_unisolated: bool = False
     """Development switch: run code without isolation when bubblewrap is missing (loudly logged)."""
+
+    def __post_init__(self) -> None:
+        for name in ("wall_time_s", "cpu_time_s"):
+            if getattr(self, name) < 0:
+                _fail(name, f"must be >= 0 seconds, got {getattr(self, name)}")
+        for name, least in (("memory_mb", 16), ("max_processes", 1), ("max_output_bytes", 1), ("workers", 1)):
+            if getattr(self, name) < least:
+                _fail(name, f"must be >= {least}, got {getattr(self, name)}")
 
 
 @dataclass
@@ -716,6 +731,12 @@ class CheckpointConfig:
     save_on_signal: bool = True
     """Checkpoint and exit cleanly on SIGTERM / SIGUSR1 (Slurm's pre-timeout signal)."""
 
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            _fail("every_steps", f"must be >= 1, got {self.every_steps}")
+        if self.keep_last < 1:
+            _fail("keep_last", f"must be >= 1 (a run resumes from its newest checkpoint), got {self.keep_last}")
+
 
 @dataclass
 class ComputeConfig:
@@ -758,6 +779,15 @@ class RunConfig:
         # Cross-section checks: each names the field to change.
         if self.total_steps < 1:
             _fail("total_steps", f"must be >= 1, got {self.total_steps}")
+        d = self.data
+        if not any(d.val_prompts if s.val_prompts is None else s.val_prompts for s in d.datasets):
+            _fail(
+                "data.val_prompts",
+                "no dataset holds out validation prompts: a run's validation (R0 and every point of the scaling "
+                "curve) needs at least one",
+            )
+        if not self.name or self.name in (".", "..") or Path(self.name).name != self.name or "\\" in self.name:
+            _fail("name", f"must be one directory name inside output_dir (no '/' or '..'), got {self.name!r}")
         if self.rollout.interruption.enabled and self.algo.length_penalty.enabled:
             _fail(
                 "algo.length_penalty.enabled",
@@ -965,9 +995,12 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
         if isinstance(value, bool):
             _fail(name, f"expected a number, got {value!r}")
         try:
-            return float(value)  # YAML 1.1 reads "1e-6" as a string; accept it as a number here
+            number = float(value)  # YAML 1.1 reads "1e-6" as a string; accept it as a number here
         except (TypeError, ValueError):
             _fail(name, f"expected a number, got {value!r}")
+        if not math.isfinite(number):
+            _fail(name, f"expected a finite number, got {value!r}")
+        return number
     if tp is str:
         if not isinstance(value, (str, int, float)) or isinstance(value, bool):
             _fail(name, f"expected a string, got {value!r}")

@@ -298,3 +298,29 @@ def test_build_rejects_wrong_types_with_path():
         build(RunConfig, {"rollout": {"engine": 3}})
     with pytest.raises(ConfigError, match=r"trainer.fp32_lm_head: expected true or false"):
         build(RunConfig, {"trainer": {"fp32_lm_head": "maybe"}})
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("checkpoint.every_steps=0", "checkpoint.every_steps: must be >= 1, got 0"),
+        ("checkpoint.keep_last=-1", "checkpoint.keep_last: must be >= 1"),
+        ("trainer.optimizer.lr=.nan", "trainer.optimizer.lr: expected a finite number, got nan"),
+        ("trainer.optimizer.lr=.inf", "trainer.optimizer.lr: expected a finite number, got inf"),
+        ("rewards.sandbox.workers=0", "rewards.sandbox.workers: must be >= 1, got 0"),
+        ("rewards.sandbox.memory_mb=-5", "rewards.sandbox.memory_mb: must be >= 16"),
+        ("rewards.sandbox.wall_time_s=-1", "rewards.sandbox.wall_time_s: must be >= 0 seconds"),
+        ("rollout.engine.tp=0", "rollout.engine.tp: must be >= 1, got 0"),
+        ("rollout.answer_tokens=0", "rollout.answer_tokens: must be >= 1, got 0"),
+        ("data.val_prompts=0", "data.val_prompts: no dataset holds out validation prompts"),
+        ("name=../../x", "name: must be one directory name inside output_dir"),
+        ("name=a/b", "name: must be one directory name inside output_dir"),
+        ("name=..", "name: must be one directory name inside output_dir"),
+    ],
+)
+def test_values_out_of_range_stop_at_config_naming_the_field_and_the_rule(override, message):
+    """Each of these used to pass the config and fail only once the stack was up (or, for `name`, to put the run
+    directory outside output_dir)."""
+    with pytest.raises(ConfigError) as info:
+        load_config("scalerl-cpu", None, [override])
+    assert message in str(info.value)
