@@ -655,7 +655,6 @@ class DataConfig:
             _fail("val_prompts", f"must be >= 0, got {self.val_prompts}")
 
 
-
 @dataclass
 class SandboxConfig:
     """Isolation limits for running model-written programs (rewards/sandbox.py)."""

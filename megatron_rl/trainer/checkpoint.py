@@ -20,6 +20,7 @@ reshards); convert/ exports them to Hugging Face.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -70,37 +71,96 @@ class CheckpointError(RuntimeError):
     """The checkpoints directory cannot be resumed from as it is."""
 
 
+MANIFEST = "manifest.json"
+"""Written last into a checkpoint: every file with its size, and a checksum of each file up to
+`CHECKSUM_MAX_BYTES` (the run's own state, the indexes, the RNG states), so a truncated shard, a cut
+run_state.pt or an emptied megatron_rl.json is found before the run trusts it. Sizes alone for the large
+model and optimizer shards: reading a Scout checkpoint's shards back to hash them would cost minutes per save."""
+CHECKSUM_MAX_BYTES = 64 << 20
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_manifest(path: Path) -> None:
+    """Record every file under the checkpoint directory `path` (rank 0, once every rank's files are on disk)."""
+    files: dict[str, dict[str, Any]] = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        size = file.stat().st_size
+        entry: dict[str, Any] = {"size": size}
+        if size <= CHECKSUM_MAX_BYTES:
+            entry["sha256"] = _sha256(file)
+        files[str(file.relative_to(path))] = entry
+    (path / MANIFEST).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def damaged(path: Path) -> list[str]:
+    """What is wrong with the checkpoint at `path`, file by file (empty when it can be trusted): required files
+    missing, and against its manifest, files missing, of another size or another checksum. A checkpoint from
+    before manifests is judged by its required files alone."""
+    lacking = incomplete(path)
+    problems = [f"lacks {', '.join(lacking)}"] if lacking else []
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return problems
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [*problems, f"{MANIFEST} unreadable"]
+    for name, entry in files.items():
+        file = path / name
+        if not file.is_file():
+            if name not in lacking:
+                problems.append(f"{name} missing")
+        elif file.stat().st_size != entry["size"]:
+            problems.append(f"{name} has {file.stat().st_size} bytes, {entry['size']} were saved")
+        elif "sha256" in entry and _sha256(file) != entry["sha256"]:
+            problems.append(f"{name} differs from what was saved (checksum)")
+    return sorted(set(problems), key=problems.index)
+
+
 def incomplete(path: Path) -> list[str]:
     """The files a complete checkpoint has and `path` lacks (empty when complete)."""
     return [name for name in REQUIRED_FILES if not (path / name).is_file()]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None when there is none at all.
+    """The newest intact checkpoint under `root`, or None when there is none at all.
 
-    `latest` names it. If what it names is missing or incomplete (files deleted or damaged by hand, a copy
-    cut short), the newest complete `step_*` directory is used instead, with a warning; if checkpoints
-    exist but none is complete, CheckpointError: a run must never silently start over."""
+    `latest` names it. If what it names is missing, incomplete or damaged (`damaged`: files deleted, truncated
+    or changed since the save, a copy cut short), the newest intact `step_*` directory is used instead, with a
+    warning naming the damage; if checkpoints exist but none is intact, CheckpointError naming each one's
+    damage: a run must never silently start over, nor resume from a checkpoint it cannot trust."""
     root = Path(root)
     marker = root / "latest"
     steps = sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
     if not marker.exists() and not steps:
         return None
     named = root / marker.read_text().strip() if marker.exists() else None
-    if named is not None and named.is_dir() and not incomplete(named):
+    damage = damaged(named) if named is not None and named.is_dir() else []
+    if named is not None and named.is_dir() and not damage:
         return named
     problem = (
-        f"{marker} names {named.name}, which "
-        + ("does not exist" if not named.is_dir() else f"lacks {', '.join(incomplete(named))}")
+        f"{marker} names {named.name}, which " + ("does not exist" if not named.is_dir() else "; ".join(damage))
         if named is not None
         else f"{marker} is missing"
     )
+    found = {}
     for path in steps:
-        if not incomplete(path):
+        found[path.name] = damaged(path) if path != named else damage
+        if not found[path.name]:
             print(f"checkpoint: {problem}; resuming from {path.name}, the newest complete one", flush=True)
             return path
+    others = "; ".join(
+        f"{name}: {', '.join(items)}" for name, items in found.items() if name != getattr(named, "name", None)
+    )
     raise CheckpointError(
-        f"{problem}, and no other checkpoint under {root} is complete (each lacks one of {list(REQUIRED_FILES)}): "
+        f"{problem}, and no other checkpoint under {root} is complete and intact ({others or 'there is none'}): "
         "restore the directory, or move it away to start the run afresh"
     )
 
@@ -148,6 +208,9 @@ def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], kee
     # flushes and the others find nothing left to write.
     sync_tree(tmp)
     _barrier()
+    if rank == 0:  # last: every rank's files are on disk, and the manifest records what they are
+        write_manifest(tmp)
+        sync_tree(tmp)
     final = publish(root, tmp, name, keep_last) if rank == 0 else root / name
     _barrier()
     return final

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from megatron_rl.trainer.checkpoint import REQUIRED_FILES, CheckpointError, latest_checkpoint
@@ -38,3 +40,47 @@ def test_no_complete_checkpoint_is_an_error_not_a_fresh_start(tmp_path):
     _checkpoint(tmp_path, 2, complete=False)
     with pytest.raises(CheckpointError, match="no other checkpoint .* is complete"):
         latest_checkpoint(tmp_path)
+
+
+def _saved(root, step: int):
+    """A checkpoint as save_checkpoint leaves it: the required files, a model shard and the manifest, last."""
+    from megatron_rl.trainer.checkpoint import write_manifest
+
+    path = root / f"step_{step:08d}"
+    path.mkdir(parents=True)
+    (path / "megatron_rl.json").write_text(json.dumps({"step": step}))
+    (path / "run_state.pt").write_bytes(bytes(range(256)) * 40)
+    (path / "metadata.json").write_text("{}")
+    (path / "__0_0.distcp").write_bytes(b"\x01" * 100_000)
+    write_manifest(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("damage", "named"),
+    [
+        (
+            lambda p: (p / "__0_0.distcp").write_bytes(b"\x01" * 50_000),
+            "__0_0.distcp has 50000 bytes, 100000 were saved",
+        ),
+        (lambda p: (p / "run_state.pt").write_bytes((p / "run_state.pt").read_bytes()[:1000]), "run_state.pt has 1000"),
+        (lambda p: (p / "megatron_rl.json").write_text(""), "megatron_rl.json has 0 bytes"),
+        (lambda p: (p / "run_state.pt").write_bytes(bytes(reversed(range(256))) * 40), "run_state.pt differs"),
+        (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp missing"),
+    ],
+    ids=["truncated-shard", "cut-run-state", "empty-json", "changed-run-state", "missing-shard"],
+)
+def test_a_damaged_newest_checkpoint_is_named_and_the_newest_intact_one_used(tmp_path, capsys, damage, named):
+    from megatron_rl.trainer.checkpoint import damaged
+
+    two, four = _saved(tmp_path, 2), _saved(tmp_path, 4)
+    (tmp_path / "latest").write_text(four.name)
+    assert latest_checkpoint(tmp_path) == four and damaged(four) == []
+    damage(four)
+    assert latest_checkpoint(tmp_path) == two
+    out = capsys.readouterr().out
+    assert f"names {four.name}, which" in out and named in out and "resuming from step_00000002" in out
+    damage(two)
+    with pytest.raises(CheckpointError) as info:
+        latest_checkpoint(tmp_path)
+    assert named in str(info.value) and "step_00000002: " in str(info.value)
