@@ -116,8 +116,16 @@ while kill -0 "$train_pid" 2>/dev/null; do
 done
 wait "$train_pid" 2>/dev/null || status=$?
 
-ray stop --force >/dev/null 2>&1 || true
+# Stop the Ray this job started, and only it: each `ray start --block` step ends its own node's Ray
+# processes when signalled (`ray stop` would end every Ray on the node, other jobs' and users' included).
 kill "${ray_pids[@]}" 2>/dev/null || true
+for _ in $(seq 60); do
+  alive=0
+  for pid in "${ray_pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+  [ "$alive" = 0 ] && break
+  sleep 1
+done
+kill -9 "${ray_pids[@]}" 2>/dev/null || true
 
 if [ "$stop_requested" = 1 ] && [ -n "${SLURM_JOB_ID:-}" ]; then
   echo "[bootstrap] requeueing job $SLURM_JOB_ID to resume from the checkpoint"

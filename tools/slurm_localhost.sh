@@ -11,17 +11,28 @@ set -euo pipefail
 action=${1:-start}
 STATE=/var/spool/megatron_rl_slurm
 
+ours() {  # the pid in $STATE/<daemon>.pid, if that process is still the daemon this script started
+  local pid
+  pid=$(cat "$STATE/$1.pid" 2>/dev/null) || return 1
+  [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$1" ] && echo "$pid"
+}
+
 stop() {
+  # Only what this script started, found by its pid files: never other users' or other clusters' daemons.
   # Jobs first: scancel has their steps' processes signalled and reaped by slurmstepd while slurmd is up
   # (stopping the daemons alone leaves a running job's slurmstepd and its processes behind).
-  if pgrep -x slurmctld >/dev/null; then
+  if ours slurmctld >/dev/null; then
     scancel --full --quiet --user "$(id -un)" 2>/dev/null || true
+    for _ in $(seq 100); do [ -z "$(squeue -h 2>/dev/null)" ] && break; sleep 0.2; done
   fi
-  for _ in $(seq 100); do pgrep -x slurmstepd >/dev/null || break; sleep 0.2; done
-  pkill -9 -x slurmstepd 2>/dev/null || true
-  pkill -x slurmd 2>/dev/null || true
-  pkill -x slurmctld 2>/dev/null || true
-  for _ in $(seq 50); do pgrep -x 'slurmd|slurmctld' >/dev/null || break; sleep 0.2; done
+  for daemon in slurmd slurmctld munged; do
+    if pid=$(ours "$daemon"); then
+      kill "$pid" 2>/dev/null || true
+      for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+      kill -9 "$pid" 2>/dev/null || true
+    fi
+    rm -f "$STATE/$daemon.pid"
+  done
 }
 
 if [ "$action" = stop ]; then stop; exit 0; fi
@@ -63,9 +74,11 @@ PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscr
 CONF
 
 chown -R munge:munge /etc/munge /run/munge /var/lib/munge /var/log/munge 2>/dev/null || true
-if ! pgrep -x munged >/dev/null; then
+if ! pgrep -x munged >/dev/null; then  # a munged already running is used, not stopped later
   sudo_munge() { if command -v runuser >/dev/null; then runuser -u munge -- "$@"; else "$@" --force; fi; }
   sudo_munge /usr/sbin/munged
+  for _ in $(seq 50); do [ -s /run/munge/munged.pid ] && break; sleep 0.1; done
+  cp /run/munge/munged.pid "$STATE/munged.pid"  # ours: stopped by `stop` (a munged we found running is not)
 fi
 /usr/sbin/slurmctld
 /usr/sbin/slurmd

@@ -12,6 +12,8 @@ import json
 import os
 import re
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -130,6 +132,38 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path, slurm):
     _sh(f"scancel {job}")
 
 
+@pytest.mark.slow
+def test_a_job_and_the_tooling_stop_only_their_own_processes(tmp_path, slurm):
+    """Another user's Ray on the node survives a whole job (the bootstrap used to `ray stop --force`, which ends
+    every Ray on the node), and a process named like a Slurm daemon survives the tooling's stop (it used to
+    pkill by name); the daemons the tooling started, munged included when it started it, are gone."""
+    decoy = tmp_path / "slurmd"
+    shutil.copy("/bin/sleep", decoy)
+    bystander = subprocess.Popen([str(decoy), "900"])
+    other_port = 7100 + os.getpid() % 800
+    other_ray = subprocess.Popen(
+        [str(VENV_BIN / "ray"), "start", "--head", f"--port={other_port}", "--num-cpus=1", "--block",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        job = _submit(tmp_path, "scoped", f"total_steps=1 {SMALL}")
+        state, _ = _wait(job, lambda s, r: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
+        assert state == "COMPLETED", _logs(tmp_path, "scoped")[-4000:]
+        time.sleep(5)
+        assert other_ray.poll() is None, "the job's shutdown ended another Ray on the node"
+        started = {d: (Path("/var/spool/megatron_rl_slurm") / f"{d}.pid").read_text().strip() for d in ("slurmd",)}
+        subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "stop"], check=True, capture_output=True)
+        assert bystander.poll() is None, "the tooling's stop ended a process it did not start"
+        assert not Path(f"/proc/{started['slurmd']}").exists()
+        assert not any(Path("/var/spool/megatron_rl_slurm").glob("*.pid"))
+    finally:
+        bystander.kill()
+        os.killpg(other_ray.pid, signal.SIGTERM)
+        other_ray.wait(timeout=60)
+        subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "start"], capture_output=True)
+
+
 @pytest.mark.parametrize("script", ["scalerl_moe.sh", "scalerl_dense.sh"])
 def test_gpu_launch_scripts_match_their_recipe(script):
     text = (ROOT / "slurm" / script).read_text()
@@ -147,7 +181,7 @@ def test_bootstrap_passes_only_existing_options():
     text = (ROOT / "slurm" / "bootstrap.sh").read_text()
     parser = build_parser()
     subcommands = parser._subparsers._group_actions[0].choices  # noqa: SLF001 (argparse has no public API)
-    for line in re.findall(r'"\$MRL" (\w+) ([^\n]*)', text):
+    for line in re.findall(r'"\$MRL" ([\w-]+) ([^\n]*)', text):
         sub, rest = line
         assert sub in subcommands
         options = {tok for tok in shlex.split(rest.replace('"', "")) if tok.startswith("--")}
