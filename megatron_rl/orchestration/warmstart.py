@@ -14,8 +14,10 @@ concurrent ones never read a half-written policy.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import os
 import random
 import shutil
 import tempfile
@@ -49,7 +51,7 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model.hf_path: {path} has no config.json")
         return path
-    base = build_tiny_model(cache / f"{run.model.name}-seed{run.seed}", run.model, seed=run.seed)
+    base = base_model(run, cache)
     if run.trainer.warm_start_steps == 0:
         return base
     tasks = []
@@ -67,6 +69,32 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed, slip=slip)
 
 
+def base_model(run: RunConfig, cache: Path = POLICY_CACHE) -> Path:
+    """The tiny model of `run.model` with random weights from `run.seed`, built once per architecture and seed.
+
+    Built aside and renamed into place, and reused when complete: never rewritten where a concurrent run may be
+    reading it. The directory name ends with a hash of the model config, so an edited config gets its own
+    model (and the warm-up, keyed on this path, its own warmed policy)."""
+    key = hashlib.sha256(json.dumps([dataclasses.asdict(run.model), run.seed], sort_keys=True).encode()).hexdigest()
+    out = cache / f"{run.model.name}-seed{run.seed}-{key[:16]}"
+    if _complete(out, key):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        build_tiny_model(staging, run.model, seed=run.seed)
+        (staging / MARKER).write_text(json.dumps({"key": key}))
+        if out.exists() and not _complete(out, key):
+            shutil.rmtree(out)  # an interrupted write from before atomic staging
+        staging.rename(out)
+    except OSError:
+        if not _complete(out, key):  # not a concurrent run finishing first with the same model: a real error
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
 def warm_start(
     model_dir: Path,
     out_dir: Path,
@@ -80,8 +108,6 @@ def warm_start(
     """Fine-tune the HF model in `model_dir` on worked solutions of `tasks` (mixed by weight per batch
     row), each step of a solution written with a slip with chance `slip`; save it to `out_dir`."""
     import torch
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     inputs: list[object] = [str(model_dir), len(tasks[0].prompts), steps, batch_size, lr, seed]
     if slip:
@@ -92,6 +118,31 @@ def warm_start(
     out_dir = out_dir.with_name(f"{out_dir.name}-{key}")
     if _complete(out_dir, key):
         return out_dir
+
+    # As many threads as a trainer rank takes (OMP_NUM_THREADS): torch's default (every core) makes two runs
+    # warming up at once on one machine oversubscribe it many times over.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    try:
+        return _warm_start(model_dir, out_dir, tasks, steps, batch_size, lr, seed, slip, key)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _warm_start(
+    model_dir: Path,
+    out_dir: Path,
+    tasks: list[WarmupTask],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    slip: float,
+    key: str,
+) -> Path:
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
     rng = random.Random(seed)

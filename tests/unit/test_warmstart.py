@@ -41,3 +41,27 @@ def test_each_data_split_keeps_its_own_warm_policy_and_a_complete_one_is_reused(
     assert run(40) == small
     assert load_file(str(small / "model.safetensors"))  # a readable checkpoint again
     assert json.loads((small / "warm_start.json").read_text())["steps"] == 2
+
+
+def test_the_base_model_is_built_once_aside_and_reused_never_rewritten(tmp_path):
+    """Concurrent runs read it while another starts: it is built in a staging directory and renamed into place,
+    and a complete one is reused as it is (a reader never sees it half-written)."""
+    import threading
+
+    from megatron_rl.config import load_config
+    from megatron_rl.orchestration.warmstart import base_model
+
+    run = load_config("scalerl-cpu")
+    results: list = []
+    builders = [threading.Thread(target=lambda: results.append(base_model(run, tmp_path))) for _ in range(2)]
+    for thread in builders:
+        thread.start()
+    for thread in builders:
+        thread.join()
+    (path,) = set(results)
+    weights = path / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns, weights.stat().st_ino
+    assert base_model(run, tmp_path) == path and (weights.stat().st_mtime_ns, weights.stat().st_ino) == stamp
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+    other = load_config("scalerl-cpu", None, ["seed=7"])
+    assert base_model(other, tmp_path) != path
