@@ -44,9 +44,7 @@ def measure(model_dir: Path, completions: int, tokens: int, seed: int = 0) -> di
     )
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"].repeat(completions, 1)
     with torch.no_grad():
-        out = model.generate(
-            ids, do_sample=True, top_k=0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0
-        )
+        out = model.generate(ids, do_sample=True, top_k=0, max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
         hidden = model.model(out).last_hidden_state[:, ids.shape[1] - 1 : -1].double()
     head = model.get_output_embeddings().weight.detach()
     targets = out[:, ids.shape[1] :]
