@@ -149,19 +149,37 @@ def _cmd_node_check(args: argparse.Namespace) -> int:
     return 0
 
 
+EXIT_CODES = {"config": 2, "data": 3, "filesystem": 4, "sandbox": 5, "checkpoint": 6, "stopped": 1}
+"""How `megatron-rl train` ends when it refuses or stops, one line on stderr each: `megatron-rl: <kind> error: ...`."""
+
+
 def _cmd_train(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.model, args.overrides)
     config.check_starting_model()
+    from megatron_rl.data.datasets import DatasetError
     from megatron_rl.orchestration.train import RunStopped, train
+    from megatron_rl.rewards.sandbox import SandboxUnavailable
     from megatron_rl.trainer.checkpoint import CheckpointError
 
+    refusals: list[tuple[type[BaseException], str]] = [
+        (DatasetError, "data"),
+        (SandboxUnavailable, "sandbox"),
+        (CheckpointError, "checkpoint"),
+        (RunStopped, "stopped"),
+    ]
     try:
         run_dir = train(config)
-    except (RunStopped, CheckpointError) as exc:
-        print(f"megatron-rl: {exc}", file=sys.stderr)
-        return 1
+    except tuple(kind for kind, _ in refusals) as exc:
+        name = next(label for kind, label in refusals if isinstance(exc, kind))
+        prefix = "" if name == "stopped" else f"{name} error: "
+        print(f"megatron-rl: {prefix}{_one_line(exc)}", file=sys.stderr)
+        return EXIT_CODES[name]
     print(f"run directory: {run_dir}")
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def _delegate(module: str) -> Callable[[list[str]], int]:

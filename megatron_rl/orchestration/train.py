@@ -33,7 +33,7 @@ import ray
 from transformers import AutoTokenizer
 
 from megatron_rl.algo.filters import NoPositiveResampling
-from megatron_rl.config import RunConfig, save_config
+from megatron_rl.config import ConfigError, RunConfig, save_config
 from megatron_rl.data.datasets import Splits, load_splits
 from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
@@ -126,6 +126,8 @@ class Parts:
     step: int
     regenerated: int
     """Groups that were buffered or in flight at the checkpoint resumed from (their prompts are drawn again)."""
+    saved: int | None = None
+    """The step of the last checkpoint this start wrote."""
 
     async def validate(self) -> dict[str, float]:
         """mean@k on the held-out prompts, per task and overall, with the live prediction of A."""
@@ -170,6 +172,7 @@ class Parts:
             "in_flight_groups": len(self.pipeline.buffer) + len(self.pipeline.tasks),
         }
         await self.trainers.call("save", str(self.run_dir / "checkpoints"), state, self.run.checkpoint.keep_last)
+        self.saved = step
 
     async def close(self) -> None:
         await self.pipeline.close()
@@ -191,9 +194,11 @@ async def _train(run: RunConfig) -> Path:
     finally:
         await parts.close()
     if parts.stop:
-        print(
-            f"stopped by {parts.stop.signal} at step {step}; checkpoint saved, resume with the same command", flush=True
-        )
+        if parts.saved == step:
+            what = f"checkpoint saved at step {step}"
+        else:
+            what = f"nothing saved by this start; {_last_checkpoint(parts.run_dir)}"
+        print(f"stopped by {parts.stop.signal} at step {step}: {what}; resume with the same command", flush=True)
     else:
         _final_fit(parts.logger.path, parts.run_dir, set(parts.splits.val), run.logging.scaling_fit_start)
     return parts.run_dir
@@ -236,10 +241,11 @@ async def _loop(p: Parts) -> int:
 
 async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     """Everything before the first step: data, the starting policy, Ray, trainer ranks and engines, the
-    weight-sync group, the checkpoint resumed from, the pipeline and the logger."""
+    weight-sync group, the checkpoint resumed from, the pipeline and the logger. Whatever can refuse the start
+    (output directory, data, sandbox, starting model, budgets) is checked before anything is written into the
+    run directory, so a refused start leaves a run's config, metrics and checkpoints as they were."""
     run_dir = Path(run.output_dir) / run.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(run, run_dir / "config.yaml")
+    _check_writable(run_dir)
     splits = load_splits(run.data)
     _report_data(splits)
     if any(d.task == "code" for d in run.data.datasets):
@@ -248,12 +254,14 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
     policy = prepare_policy(run, splits)
     run.check_context(policy)  # the engines would refuse a context beyond the checkpoint's positions
-    record_starting_model(run_dir, policy)
     tokenizer = AutoTokenizer.from_pretrained(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
     tokens = _interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
     run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(run, run_dir / "config.yaml")
+    record_starting_model(run_dir, policy)
 
     if not ray.is_initialized():
         # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
@@ -294,6 +302,16 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
         step, regenerated,
     )  # fmt: skip
+
+
+def _check_writable(run_dir: Path) -> None:
+    """The run directory exists and is writable, or can be created (its nearest existing ancestor is writable)."""
+    existing = run_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not a directory" if not existing.is_dir() else "is not writable"
+        raise ConfigError(f"output_dir: {existing} {what}, so the run directory {run_dir} cannot be written")
 
 
 def _last_checkpoint(run_dir: Path) -> str:

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config import ConfigError, RunConfig
 from megatron_rl.data.datasets import Prompt, Splits
 from megatron_rl.data.synthetic import SOLUTIONS
 from megatron_rl.models.tiny import build_tiny_model
@@ -49,7 +49,7 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     if run.model.hf_path:
         path = Path(run.model.hf_path)
         if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model.hf_path: {path} has no config.json")
+            raise ConfigError(f"model.hf_path: {path} has no config.json")
         return path
     base = base_model(run, cache)
     if run.trainer.warm_start_steps == 0:
@@ -58,7 +58,7 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     for i, dataset in enumerate(run.data.datasets):
         name = dataset.source.removeprefix("synthetic:")
         if not dataset.source.startswith("synthetic:") or name not in SOLUTIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"trainer.warm_start_steps: the warm-up needs synthetic tasks with worked solutions "
                 f"({sorted(SOLUTIONS)}); data.datasets[{i}].source is {dataset.source!r}"
             )
