@@ -59,9 +59,10 @@ def _field(row: dict[str, Any], names: tuple[str, ...]) -> Any:
     return None
 
 
-def parse_row(row: Any, task: str, source: str, index: int) -> Prompt:
-    """Validate one raw row against the task's schema."""
-    where = f"{source}: row {index}"
+def parse_row(row: Any, task: str, source: str, index: int, line: int | None = None) -> Prompt:
+    """Validate one raw row against the task's schema. `index` counts rows from 0 (the default prompt id);
+    messages name `line`, the row's 1-based line in a .jsonl file or its 1-based position elsewhere."""
+    where = f"{source}: row {index + 1 if line is None else line}"
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected an object with fields {list(SCHEMAS[task])}, got {type(row).__name__}")
     values = {}
@@ -94,12 +95,13 @@ def parse_row(row: Any, task: str, source: str, index: int) -> Prompt:
     return Prompt(id=prompt_id, task=task, **values)
 
 
-def _read_rows(source: str, split: str, subset: str | None = None) -> list[Any]:
+def _read_rows(source: str, split: str, subset: str | None = None) -> list[tuple[int, Any]]:
+    """(1-based line or position, raw row) of every row of a source."""
     if source.startswith("synthetic:"):
         name = source.removeprefix("synthetic:")
         if name not in SYNTHETIC_TASKS:
             raise DatasetError(f"data.datasets.source: unknown synthetic task {name!r}; known: {list(SYNTHETIC_TASKS)}")
-        return list(SYNTHETIC_TASKS[name](0))
+        return list(enumerate(SYNTHETIC_TASKS[name](0), start=1))
     path = Path(source)
     if path.suffix == ".jsonl":
         if not path.exists():
@@ -109,20 +111,20 @@ def _read_rows(source: str, split: str, subset: str | None = None) -> list[Any]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((line_no, json.loads(line)))
             except json.JSONDecodeError as exc:
-                rows.append(DatasetError(f"{source}: row {line_no}: not valid JSON: {exc}"))
+                rows.append((line_no, DatasetError(f"{source}: row {line_no}: not valid JSON: {exc}")))
         return rows
     if path.suffix == ".parquet":
         if not path.exists():
             raise DatasetError(f"{source}: no such file")
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
+        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
     import datasets
 
     try:
-        return list(datasets.load_dataset(source, subset, split=split))
+        return list(enumerate(datasets.load_dataset(source, subset, split=split), start=1))
     except Exception as exc:  # the hub client raises many types; name the source and keep the cause
         raise DatasetError(f"{source}: could not load as a `datasets` hub name ({type(exc).__name__}: {exc})") from exc
 
@@ -131,14 +133,14 @@ def load_prompts(cfg: DatasetConfig, bad_rows: str = "error") -> tuple[list[Prom
     """All valid prompts of one dataset config, and how many rows were skipped."""
     stats = LoadStats()
     prompts: list[Prompt] = []
-    for index, row in enumerate(_read_rows(cfg.source, cfg.split, cfg.subset)):
+    for index, (line, row) in enumerate(_read_rows(cfg.source, cfg.split, cfg.subset)):
         if cfg.limit is not None and len(prompts) >= cfg.limit:
             break
         stats.rows += 1
         try:
             if isinstance(row, DatasetError):
                 raise row
-            prompts.append(parse_row(row, cfg.task, cfg.key, index))
+            prompts.append(parse_row(row, cfg.task, cfg.key, index, line))
         except DatasetError as exc:
             if bad_rows == "error":
                 raise

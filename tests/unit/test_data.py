@@ -57,14 +57,15 @@ def test_slipped_solutions_reach_a_wrong_answer_consistently():
 
 
 def test_bad_rows_name_file_row_and_field(tmp_path):
+    """Rows are counted one way in every message: the 1-based line of the .jsonl file."""
     path = _write(tmp_path, [{"problem": "1+1?", "answer": "2"}, {"problem": "2+2?"}])
-    with pytest.raises(DatasetError, match=r"set.jsonl: row 1: field 'answer' missing"):
+    with pytest.raises(DatasetError, match=r"set.jsonl: row 2: field 'answer' missing"):
         load_prompts(DatasetConfig(source=path, task="math"))
     path = _write(tmp_path, ['{"prompt": "x", "answer": 1}', "{not json"], "broken.jsonl")
     with pytest.raises(DatasetError, match=r"broken.jsonl: row 2: not valid JSON"):
         load_prompts(DatasetConfig(source=path, task="math"))
     path = _write(tmp_path, [{"prompt": "write f", "tests": "[oops"}], "code.jsonl")
-    with pytest.raises(DatasetError, match=r"code.jsonl: row 0: field 'tests' is a string but not JSON"):
+    with pytest.raises(DatasetError, match=r"code.jsonl: row 1: field 'tests' is a string but not JSON"):
         load_prompts(DatasetConfig(source=path, task="code"))
 
 
@@ -72,7 +73,7 @@ def test_bad_rows_can_be_skipped_and_counted(tmp_path):
     rows = [{"problem": "1+1?", "answer": 2}, {"problem": ""}, {"question": "3+3?", "solution": "6"}, "[1, 2]"]
     prompts, stats = load_prompts(DatasetConfig(source=_write(tmp_path, rows), task="math"), bad_rows="skip")
     assert [p.answer for p in prompts] == ["2", "6"]
-    assert stats.rows == 4 and stats.skipped == 2 and "row 1" in stats.errors[0]
+    assert stats.rows == 4 and stats.skipped == 2 and "row 2" in stats.errors[0]
 
 
 def test_code_rows_accept_deepcoder_style_tests(tmp_path):
@@ -96,8 +97,8 @@ def test_code_rows_accept_deepcoder_case_lists_and_name_bad_tests(tmp_path):
     assert prompts[0].tests == {"inputs": ["1\n", "5\n"], "outputs": ["2\n", "6\n"]}
     assert prompts[1].tests == {"inputs": [[[1, 2]]], "outputs": [3], "fn_name": "add"}  # JSON text decoded
     assert stats.skipped == 2
-    assert "deepcoder.jsonl: row 2: field 'tests'" in stats.errors[0] and "'input'" in stats.errors[0]
-    assert "row 3: field 'tests': code tests need as many outputs as inputs" in stats.errors[1]
+    assert "deepcoder.jsonl: row 3: field 'tests'" in stats.errors[0] and "'input'" in stats.errors[0]
+    assert "row 4: field 'tests': code tests need as many outputs as inputs" in stats.errors[1]
 
 
 def test_parquet_rows_load(tmp_path):
