@@ -259,6 +259,8 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     tokens = _interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
     run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
+    # The checkpoint to resume from, verified against its manifest before anything starts.
+    checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(run, run_dir / "config.yaml")
     record_starting_model(run_dir, policy)
@@ -274,7 +276,6 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
 
     no_positive = NoPositiveResampling(run.algo.no_positive_resampling)
     sampler = CurriculumSampler(splits.train, {d.key: d.weight for d in run.data.datasets}, run.seed, no_positive)
-    checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
     start_hours, regenerated = 0.0, 0
     if checkpoint is not None:
         state = await trainers.call("load", str(checkpoint))

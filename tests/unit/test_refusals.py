@@ -58,3 +58,24 @@ def test_an_output_dir_that_cannot_be_written_is_refused_before_any_work(tmp_pat
     blocker.write_text("not a directory")
     done = _train(tmp_path, f"output_dir={blocker / 'runs'}")
     _refused(done, 2, f"megatron-rl: config error: output_dir: {blocker} is not a directory")
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_refused_before_anything_starts(tmp_path):
+    """No Ray, no engine, no trainer: the damage is named in one line (exit 6) and the run directory is left as
+    it was for the user to repair."""
+    from megatron_rl.trainer.checkpoint import write_manifest
+
+    run_dir = tmp_path / "runs" / "refused"
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    checkpoint.mkdir(parents=True)
+    for name, content in {"megatron_rl.json": "{}", "run_state.pt": "x" * 100, "metadata.json": "{}"}.items():
+        (checkpoint / name).write_text(content)
+    write_manifest(checkpoint)
+    (run_dir / "checkpoints" / "latest").write_text(checkpoint.name)
+    (checkpoint / "run_state.pt").write_text("x" * 10)  # cut short
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    done = _train(tmp_path, "total_steps=2")
+    _refused(done, 6, "megatron-rl: checkpoint error: ")
+    assert "run_state.pt has 10 bytes, 100 were saved" in done.stderr
+    assert "Ray" not in done.stdout + done.stderr
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before
