@@ -256,7 +256,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     run.check_context(policy)  # the engines would refuse a context beyond the checkpoint's positions
     tokenizer = AutoTokenizer.from_pretrained(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
-    tokens = _interruption_tokens(run, tokenizer)
+    tokens = interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
     run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
     # The checkpoint to resume from, verified against its manifest before anything starts.
@@ -320,11 +320,22 @@ def _last_checkpoint(run_dir: Path) -> str:
     return f"the last complete checkpoint is {last}" if last else "no checkpoint was written yet"
 
 
-def _interruption_tokens(run: RunConfig, tokenizer: Any) -> InterruptionTokens:
-    """The token ids length control needs: `</think>`, EOS, and the interruption phrase as it is appended."""
-    phrase = run.rollout.interruption.phrase
+def interruption_tokens(run: RunConfig, tokenizer: Any) -> InterruptionTokens:
+    """The token ids length control needs: `</think>`, EOS, and the interruption phrase as it is appended.
+
+    With interruption on, the end-of-thinking marker must be one token of the policy's vocabulary (a thinking
+    model's special token): a tokenizer without it (Llama-3.1's, say) answers the unknown token's id or None,
+    and interruption would then never see a thinking part end."""
+    phrase, marker = run.rollout.interruption.phrase, run.rollout.interruption.end_of_thinking
+    end = tokenizer.convert_tokens_to_ids(marker)
+    if run.rollout.interruption.enabled and (end is None or tokenizer.convert_ids_to_tokens(end) != marker):
+        raise ConfigError(
+            f"rollout.interruption.end_of_thinking: {marker!r} is not a token of the starting model's tokenizer: "
+            "start from a thinking model (or add it as a special token), set the field to the model's own "
+            "end-of-thinking token, or turn interruption off (rollout.interruption.enabled=false)"
+        )
     return InterruptionTokens(
-        end_of_thinking=tokenizer.convert_tokens_to_ids(run.rollout.interruption.end_of_thinking),
+        end_of_thinking=end,
         eos=tokenizer.eos_token_id,
         phrase=list(
             tokenizer(phrase if phrase.startswith(" ") else " " + phrase, add_special_tokens=False)["input_ids"]

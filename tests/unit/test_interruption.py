@@ -137,3 +137,29 @@ def test_disabled_is_one_phase_of_the_whole_budget(finish):
     script = [3, 10, EOS] if finish == "stop" else [3] * 50
     out, calls = run(script, _cfg(enabled=False, lo=5, hi=5, answer=3))
     assert len(calls) == 1 and calls[0][1] == 8 and out.finish_reason == finish and all(out.loss_mask)
+
+
+def test_a_tokenizer_without_the_end_of_thinking_token_is_refused_when_interruption_is_on(tmp_path):
+    """Llama-3.1's tokenizer has no `</think>`: convert_tokens_to_ids answers None (or the unknown token's id),
+    and interruption would never see thinking end. The start is refused naming the field; the CPU run's own
+    tokenizer has the token."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from megatron_rl.config import ConfigError, load_config
+    from megatron_rl.data.tokenizer import build_tokenizer
+    from megatron_rl.orchestration.train import interruption_tokens
+
+    run = load_config("scalerl-cpu")
+    tiny = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tiny"))
+    assert tiny.convert_ids_to_tokens(interruption_tokens(run, tiny).end_of_thinking) == "</think>"
+    plain = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel({"a": 0, "<unk>": 1, "<eos>": 2}, unk_token="<unk>")),
+        unk_token="<unk>",
+        eos_token="<eos>",
+    )
+    with pytest.raises(ConfigError, match=r"rollout.interruption.end_of_thinking: '</think>' is not a token"):
+        interruption_tokens(run, plain)
+    off = load_config("scalerl-cpu", None, ["rollout.interruption.enabled=false", "algo.length_penalty.enabled=true"])
+    interruption_tokens(off, plain)  # the loo-lp way: no interruption, no marker needed
