@@ -57,13 +57,13 @@ def test_loaded_rows_hold_decoded_values(tmp_path):
 def test_a_malformed_row_is_an_error_naming_file_row_field_and_case(tmp_path, tests, message):
     with pytest.raises(DatasetError) as error:
         _load(tmp_path, [_functional(("1", "21")), tests])
-    assert "code.jsonl: row 1: field 'tests': code tests: " in str(error.value)
+    assert "code.jsonl: row 2: field 'tests': code tests: " in str(error.value)  # the second line
     assert message in str(error.value)
 
 
 def test_malformed_rows_can_be_skipped_and_counted(tmp_path):
     prompts, stats = _load(tmp_path, [_functional(("1", "21")), _functional(("1", "x"))], bad_rows="skip")
-    assert len(prompts) == 1 and stats.skipped == 1 and "row 1" in stats.errors[0]
+    assert len(prompts) == 1 and stats.skipped == 1 and "row 2" in stats.errors[0]
 
 
 class _ReturningSandbox:
