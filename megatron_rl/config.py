@@ -67,7 +67,8 @@ class MoEConfig:
     aux_loss_coeff: float = 0.0
     """Load-balancing auxiliary loss coefficient (0 = off; RL fine-tuning usually keeps it off)."""
     token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
-    """megatron-core token dispatcher; on CPU the trainer switches alltoall to allgather (no streams)."""
+    """megatron-core token dispatcher. alltoall runs on CPU too (the CPU compatibility layer stands in for its
+    CUDA stream); allgather refuses packed rows."""
 
     def __post_init__(self) -> None:
         if self.num_experts is not None:

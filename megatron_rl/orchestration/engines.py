@@ -20,10 +20,11 @@ Restarts and pushes take one lock, so an engine is restarted once however many r
 no push runs on a group that a restart is replacing. A restarted engine loads the run's initial policy
 and reports weight version 0 until the push that follows the restart, so tokens it generates in between
 (only requests that reach it in the seconds between its restart and that push) carry version 0: they
-are labeled with the policy that really produced them and the staleness gate (rollout/pipeline.py)
-drops them once more than k versions old. The catch-up push sends the trainer's current weights to
-every engine, so in PPO-off-policy mode a restart mid-round moves the round to the newer policy (the
-tokens say so).
+are labeled with the policy that really produced them, and the staleness rule (rollout/pipeline.py)
+counts them as old: with `rollout.staleness: wait` (the default) the trainer takes their group as a due
+one, with `drop` it drops the group once more than k versions old. The catch-up push sends the trainer's
+current weights to every engine, so in PPO-off-policy mode a restart mid-round moves the round to the newer
+policy (the tokens say so).
 """
 
 from __future__ import annotations
