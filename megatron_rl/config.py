@@ -375,7 +375,7 @@ LOSS_DEFAULT_EPS: dict[str, tuple[float, float]] = {
     "gspo": (3e-3, 5e-3),
     "dapo": (0.2, 0.28),
     "grpo": (0.2, 0.2),
-    "cispo": (0.2, 0.28),  # unused by CISPO itself (it caps at eps_max); kept for the clip metric
+    "cispo": (0.2, 0.28),  # unused: CISPO truncates at algo.eps_max, and its clip metric counts that truncation
 }
 
 
