@@ -196,6 +196,25 @@ def split_layer_name(name: str) -> tuple[int, str] | None:
     return int(layer), rest
 
 
+def decoder_to_hf(
+    name: str, tensor: Tensor, cfg: ModelConfig, feed_forward: Callable[[str, str, Tensor], HFTensors | None]
+) -> HFTensors:
+    """One canonical tensor under HF names, as every family maps it: the embedding, final norm and head, and each
+    layer's attention and norms; the rest of a layer (`rest` after `decoder.layers.{i}.`) by the family's
+    `feed_forward(rest, "model.layers.{i}.", tensor)`. KeyError for a tensor no rule maps."""
+    mapped = top_to_hf(name, tensor, cfg)
+    split = split_layer_name(name)
+    if mapped is None and split is not None:
+        layer, rest = split
+        prefix = f"model.layers.{layer}."
+        mapped = attention_to_hf(rest, tensor, prefix, cfg)
+        if mapped is None:
+            mapped = feed_forward(rest, prefix, tensor)
+    if mapped is None:
+        raise KeyError(f"{cfg.family}: no Hugging Face name for megatron tensor {name!r}")
+    return mapped
+
+
 def model_from_hf(cfg: ModelConfig, mlp_from_hf_of_layer: Callable[[int], Iterator[FromHF]]) -> Iterator[FromHF]:
     """Every canonical tensor of the model (embedding, layers, final norm, output layer unless tied)."""
     yield copy("embedding.word_embeddings.weight", "model.embed_tokens.weight")

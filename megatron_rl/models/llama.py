@@ -27,17 +27,11 @@ def check(cfg: ModelConfig) -> None:
 
 
 def to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:
-    mapped = layers.top_to_hf(name, tensor, cfg)
-    split = layers.split_layer_name(name)
-    if mapped is None and split is not None:
-        layer, rest = split
-        prefix = f"model.layers.{layer}."
-        mapped = layers.attention_to_hf(rest, tensor, prefix, cfg)
-        if mapped is None and rest.startswith("mlp."):
-            mapped = layers.mlp_to_hf(rest.removeprefix("mlp."), tensor, prefix + "mlp.")
-    if mapped is None:
-        raise KeyError(f"{cfg.family}: no Hugging Face name for megatron tensor {name!r}")
-    return mapped
+    return layers.decoder_to_hf(name, tensor, cfg, _mlp)
+
+
+def _mlp(rest: str, prefix: str, tensor: Tensor) -> HFTensors | None:
+    return layers.mlp_to_hf(rest.removeprefix("mlp."), tensor, prefix + "mlp.") if rest.startswith("mlp.") else None
 
 
 def from_hf(cfg: ModelConfig) -> Iterator[FromHF]:

@@ -61,27 +61,22 @@ def check(cfg: ModelConfig) -> None:
 
 
 def to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:
-    mapped = layers.top_to_hf(name, tensor, cfg)
-    split = layers.split_layer_name(name)
-    if mapped is None and split is not None:
-        layer, rest = split
-        prefix = f"model.layers.{layer}."
+    def feed_forward(rest: str, prefix: str, tensor: Tensor) -> HFTensors | None:
         ff = prefix + "feed_forward."
-        mapped = layers.attention_to_hf(rest, tensor, prefix, cfg)
-        if mapped is None and rest == "mlp.router.weight":
-            mapped = [(ff + "router.weight", tensor)]
-        elif mapped is None and rest.startswith(_EXPERT):
+        if rest == "mlp.router.weight":
+            return [(ff + "router.weight", tensor)]
+        if rest.startswith(_EXPERT):
             expert, leaf = rest.removeprefix(_EXPERT).split(".", 1)
             fused = {"linear_fc1.weight": "gate_up_proj", "linear_fc2.weight": "down_proj"}.get(leaf)
-            if fused is not None:
-                mapped = [(ff + "experts." + fused, Stacked(int(expert), cfg.moe.num_experts or 0, tensor.T))]
-        elif mapped is None and rest.startswith("mlp.shared_experts."):
-            mapped = layers.mlp_to_hf(rest.removeprefix("mlp.shared_experts."), tensor, ff + "shared_expert.")
-        elif mapped is None and rest.startswith("mlp."):
-            mapped = layers.mlp_to_hf(rest.removeprefix("mlp."), tensor, ff)
-    if mapped is None:
-        raise KeyError(f"{cfg.family}: no Hugging Face name for megatron tensor {name!r}")
-    return mapped
+            return None if fused is None else [(ff + "experts." + fused, Stacked(int(expert), experts, tensor.T))]
+        if rest.startswith("mlp.shared_experts."):
+            return layers.mlp_to_hf(rest.removeprefix("mlp.shared_experts."), tensor, ff + "shared_expert.")
+        if rest.startswith("mlp."):
+            return layers.mlp_to_hf(rest.removeprefix("mlp."), tensor, ff)
+        return None
+
+    experts = cfg.moe.num_experts or 0
+    return layers.decoder_to_hf(name, tensor, cfg, feed_forward)
 
 
 def engine_to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:

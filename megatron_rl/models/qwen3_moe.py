@@ -45,22 +45,18 @@ def check(cfg: ModelConfig) -> None:
 
 
 def to_hf(name: str, tensor: Tensor, cfg: ModelConfig) -> HFTensors:
-    mapped = layers.top_to_hf(name, tensor, cfg)
-    split = layers.split_layer_name(name)
-    if mapped is None and split is not None:
-        layer, rest = split
-        prefix = f"model.layers.{layer}."
-        mapped = layers.attention_to_hf(rest, tensor, prefix, cfg)
-        if mapped is None and rest == "mlp.router.weight":
-            mapped = [(prefix + "mlp.gate.weight", tensor)]
-        elif mapped is None and rest.startswith(_EXPERT):
-            expert, leaf = rest.removeprefix(_EXPERT).split(".", 1)
-            mapped = layers.mlp_to_hf(leaf, tensor, f"{prefix}mlp.experts.{expert}.")
-        elif mapped is None and rest.startswith("mlp."):
-            mapped = layers.mlp_to_hf(rest.removeprefix("mlp."), tensor, prefix + "mlp.")
-    if mapped is None:
-        raise KeyError(f"{cfg.family}: no Hugging Face name for megatron tensor {name!r}")
-    return mapped
+    return layers.decoder_to_hf(name, tensor, cfg, _feed_forward)
+
+
+def _feed_forward(rest: str, prefix: str, tensor: Tensor) -> HFTensors | None:
+    if rest == "mlp.router.weight":
+        return [(prefix + "mlp.gate.weight", tensor)]
+    if rest.startswith(_EXPERT):
+        expert, leaf = rest.removeprefix(_EXPERT).split(".", 1)
+        return layers.mlp_to_hf(leaf, tensor, f"{prefix}mlp.experts.{expert}.")
+    if rest.startswith("mlp."):
+        return layers.mlp_to_hf(rest.removeprefix("mlp."), tensor, prefix + "mlp.")
+    return None
 
 
 def mlp_from_hf(cfg: ModelConfig, layer: int) -> Iterator[FromHF]:
