@@ -171,13 +171,11 @@ def plan_asserts(statements: list[str]) -> AssertPlan:
         except SyntaxError as exc:
             raise UnsupportedTest(f"asserts[{index}]: not Python: {exc.msg}") from None
         for statement in tree.body:
-            _plan_statement(plan, source, statement, {}, known, index)
+            _plan_statement(plan, statement, {}, known, index)
     return plan
 
 
-def _plan_statement(
-    plan: AssertPlan, source: str, node: ast.stmt, loop: dict[str, Any], known: set[str], index: int
-) -> None:
+def _plan_statement(plan: AssertPlan, node: ast.stmt, loop: dict[str, Any], known: set[str], index: int) -> None:
     where = f"asserts[{index}]"
     if isinstance(node, ast.Assert):
         first = len(plan.steps)
@@ -188,7 +186,7 @@ def _plan_statement(
         values = _host_constant(node.iter, loop, known, where)
         for value in values:
             for inner in node.body:
-                _plan_statement(plan, source, inner, {**loop, node.target.id: value}, known, index)
+                _plan_statement(plan, inner, {**loop, node.target.id: value}, known, index)
     elif isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
         name = node.targets[0].id
         first = len(plan.steps)
