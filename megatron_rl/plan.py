@@ -15,7 +15,10 @@ first rank of the full world under torch's fake process-group backend, so every 
     activations  tensors saved for backward of the longest row (`trainer.micro_batch_tokens` tokens), per layer
                  by `layer_activation_bytes`, times the layers holding them under `trainer.recompute`, times
                  the micro-batches in flight (1F1B: pp on the first stage)
-    log-probs    the fp32 head path: fp32 hidden states of the row and their gradient, the logits chunks
+    backward     the gradients the backward of one layer holds beside what it saved (its MLP's intermediates:
+                 fc1 output and activation), for the layer where they are largest
+    log-probs    the fp32 head path: fp32 hidden states of the row and their gradient, the logits chunks, and the
+                 head's fp32 weight gradient that the chunked backward accumulates (trainer/logprobs.py)
     reserve      CUDA context, NCCL buffers, allocator fragmentation: RESERVE_GIB (ours)
 
 Engine: bf16 weights at the engine's TP, plus the KV pool SGLang carves out of `mem_fraction` of the device;
@@ -154,14 +157,29 @@ def stage_activation_bytes(run: RunConfig, stage: int) -> float:
         n = min(rc.num_layers, per_stage)
         held = n * layer_input + sum(full[n:]) + (max(full[:n]) if n else 0.0)
     in_flight = p.pp - stage  # 1F1B: stage i holds pp - i micro-batches' activations after the warm-up
-    return held * in_flight
+    return held * in_flight + max(layer_backward_bytes(s, tokens, p.tp, etp) for s in shapes)
+
+
+def layer_backward_bytes(shape: LayerShape, tokens: int, tp: int = 1, etp: int = 1) -> float:
+    """Gradients one layer's backward holds at its peak beside the saved tensors: those of its MLP intermediates
+    (fc1 output, gated, and the activation's output), bf16. The other gradients of a layer are [tokens, hidden]
+    and smaller. Measured on one H200 (benchmarks/README.md, GPU smoke): without this term the plan fell short of
+    the trainer's forward/backward peak."""
+    s, b = float(tokens), 2.0
+    width = (2 if shape.gated else 1) + 1
+    dense = b * s * shape.ffn * width / tp if shape.moe_experts == 0 else 0.0
+    routed = s * shape.moe_topk * EXPERT_LOAD_FACTOR * etp if shape.moe_experts else 0.0
+    experts = b * routed * shape.moe_ffn * width / etp
+    shared = b * s * shape.moe_shared_ffn * width / tp
+    return max(dense, experts + shared)
 
 
 def logprob_bytes(run: RunConfig, vocab_per_rank: int) -> float:
-    """The fp32 head path on the last stage: gathered hidden states and their gradient, logits chunks."""
+    """The fp32 head path on the last stage: gathered hidden states and their gradient, logits chunks, and the
+    head's weight gradient, which the chunked backward accumulates in fp32 whatever the head's dtype."""
     tokens, h = run.trainer.micro_batch_tokens, run.model.hidden_size
     chunk_tokens = max(1, (run.trainer.logprob_chunk_mib << 20) // (4 * vocab_per_rank))
-    return 2 * 4.0 * tokens * h + 3 * 4.0 * chunk_tokens * vocab_per_rank
+    return 2 * 4.0 * tokens * h + 3 * 4.0 * chunk_tokens * vocab_per_rank + 4.0 * vocab_per_rank * h
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Shared test setup: one thread per process (2-core CI machine), GPU tests skipped without CUDA."""
+"""Shared test setup: one thread per process (2-core CI machine), GPU tests deselected without CUDA."""
 
 import os
 
@@ -7,11 +7,14 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pytest  # noqa: E402
+
+_DESELECTED_GPU: list = []
 
 
 def pytest_collection_modifyitems(config, items):
-    if not any(item.get_closest_marker("gpu") for item in items):
+    """Without CUDA, the GPU tier (`-m gpu`) is deselected rather than skipped; the summary says how many."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
         return
     try:
         import torch
@@ -21,7 +24,13 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = False
     if has_cuda:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on a GPU node: pytest -m gpu)")
-    for item in items:
-        if item.get_closest_marker("gpu"):
-            item.add_marker(skip)
+    _DESELECTED_GPU.extend(gpu)
+    items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+    config.hook.pytest_deselected(items=gpu)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _DESELECTED_GPU:
+        terminalreporter.write_line(
+            f"{len(_DESELECTED_GPU)} GPU test(s) deselected: no CUDA device here (on a GPU node: pytest -m gpu)"
+        )

@@ -1,0 +1,511 @@
+"""The GPU path on one device, in one short run: the checks a first GPU node is asked to pass.
+
+    python tools/gpu_smoke.py                      # on a GPU node (or anywhere: CPU runs the same checks, smaller)
+    python tools/gpu_smoke.py --out DIR --steps 20 # results.json and the table under DIR
+
+Each check prints one line (PASS, FAIL, or NOT RUN with the reason: a component this node lacks) and a table at
+the end; the exit status is 1 when any check fails.
+
+    environment  torch, CUDA device, megatron-core, Transformer Engine, Apex, SGLang as this node has them
+    settings     the kernel switches this node resolves (`trainer/model.py::performance_settings`): a fusion whose
+                 kernel is not installed must resolve off (megatron's ColumnParallelLinear raises at construction
+                 otherwise), and megatron's output layer is built with them
+    logprobs     every tiny family (llama, qwen3, qwen3_moe, llama4 with chunked attention and temperature tuning)
+                 in the trainer on packed rows of several sequences against transformers' `ForCausalLM` on each
+                 sequence alone: fp32 within 2e-3, bf16 (FP32 head) no further from transformers' fp32 than
+                 transformers' own bf16 model is; with Transformer Engine installed, its layer spec against the
+                 local spec on the same rows
+    push         the weight push's stream (`iter_hf_weights`, the engines' names and dtype) from a trained model:
+                 every tensor a transformers model of the family expects, and that model's log-probs equal the
+                 trainer's after training
+    loop         `trainer.train_step` on the ScaleRL recipe (CISPO, bf16, FP32 head, full recompute) for
+                 `--steps` steps of synthetic rollouts on a mid-size model (qwen3_4b: all 36 layers where the
+                 device holds them, 18 otherwise; cpu_demo on CPU): step time, tokens/s, MFU, peak memory against
+                 the memory plan's trainer rank, the push's transient against the plan's push column
+
+What this does not run: SGLang engines (the generator side needs SGLang's CUDA kernels, a separate install) and
+NCCL between two processes (one device; NCCL refuses two ranks on one GPU). The smoke tier of the test suite runs
+this script (`pytest -m gpu`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import math
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
+# Llama-4's chunk cuts and temperature steps inside rows of 40-100 tokens (as tests/integration/test_llama4_attention)
+LLAMA4_RULES = [
+    "model.attention_chunk_size=8",
+    "model.attn_temperature_tuning=true",
+    "model.floor_scale=16",
+    "model.attn_scale=0.5",
+    "model.max_position_embeddings=256",
+]
+FAMILIES = {"llama": ("tiny_dense", []), "qwen3": ("tiny_qwen3", []), "qwen3_moe": ("tiny_moe", []),
+            "llama4": ("tiny_llama4", LLAMA4_RULES)}  # fmt: skip
+FP32_TOLERANCE = 2e-3
+"""Max |log-prob difference| of an fp32 trainer against transformers in fp32 (summation order, fused kernels)."""
+
+
+class NotRun(Exception):
+    """A check this node cannot run (a component it lacks); not a failure."""
+
+
+class CheckFailed(AssertionError):
+    """A failed check, with the numbers it measured."""
+
+    def __init__(self, message: str, numbers: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.numbers = numbers
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs
+
+
+def synthetic_groups(
+    seed: int, prompts: int, group: int, vocab: int, prompt_len: tuple[int, int], completion_len: tuple[int, int]
+) -> list[Any]:
+    """Groups of random tokens with rewards of both signs (non-zero advantages); lengths drawn from [low, high)."""
+    from megatron_rl.rollout.types import Completion, Group
+
+    rng = random.Random(seed)
+    groups = []
+    for p in range(prompts):
+        prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(*prompt_len))]
+        completions = []
+        for g in range(group):
+            n = rng.randrange(*completion_len)
+            completions.append(
+                Completion(
+                    prompt_id=str(p),
+                    task="math",
+                    prompt_tokens=prompt,
+                    tokens=[rng.randrange(5, vocab) for _ in range(n)],
+                    gen_logprobs=[-math.log(vocab) + 0.1 * rng.random() for _ in range(n)],
+                    versions=[0] * n,
+                    loss_mask=[True] * n,
+                    reward=float((p + g) % 2 * 2 - 1),
+                )
+            )
+        groups.append(Group(str(p), "math", completions))
+    return groups
+
+
+def hf_logprobs(model: Any, groups: list[Any], device: torch.device) -> list[list[float]]:
+    """transformers' log-probs of every completion token, one sequence at a time (no packing)."""
+    out = []
+    with torch.no_grad():
+        for group in groups:
+            for c in group.completions:
+                tokens = list(c.prompt_tokens) + list(c.tokens)
+                logits = model(torch.tensor([tokens], device=device)).logits[0].double()
+                logp = torch.log_softmax(logits, -1)
+                targets = torch.tensor(tokens[len(c.prompt_tokens) :], device=device)
+                out.append(logp[len(c.prompt_tokens) - 1 : -1].gather(1, targets[:, None]).squeeze(1).tolist())
+    return out
+
+
+def max_mean_diff(a: list[list[float]], b: list[list[float]]) -> tuple[float, float]:
+    diffs = [abs(x - y) for ra, rb in zip(a, b, strict=True) for x, y in zip(ra, rb, strict=True)]
+    return max(diffs), sum(diffs) / len(diffs)
+
+
+# --------------------------------------------------------------------------------------------------
+# The trainer in this process (megatron's parallel state is process-global: every check uses one rank)
+
+
+@contextlib.contextmanager
+def trainer_for(recipe: str, model: str, overrides: list[str]) -> Iterator[Any]:
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.step import Trainer
+
+    run = load_config(recipe, model, SINGLE + overrides)
+    trainer = Trainer(run)
+    try:
+        yield trainer
+    finally:
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def load_hf(trainer: Any, hf_dir: Path) -> None:
+    from megatron_rl.convert import load_hf_into_model
+
+    load_hf_into_model(trainer.model, trainer.run.model, hf_dir)
+    trainer.optimizer.reload_model_params()
+
+
+# --------------------------------------------------------------------------------------------------
+# Checks: each returns a dict of numbers (and raises AssertionError on failure, NotRun when it cannot run)
+
+
+def check_environment(ctx: dict[str, Any]) -> dict[str, Any]:
+    def version(name: str) -> str | None:
+        try:
+            from importlib.metadata import version as v
+
+            return v(name)
+        except Exception:
+            return None
+
+    cuda = torch.cuda.is_available()
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "megatron_core": version("megatron-core") or version("megatron_core"),
+        "transformer_engine": version("transformer-engine") or version("transformer_engine"),
+        "apex_wgrad_kernel": importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        "sglang": version("sglang"),
+        "transformers": version("transformers"),
+        "python": sys.version.split()[0],
+    }
+    ctx["cuda"] = cuda
+    if info["megatron_core"] is None:
+        raise AssertionError("megatron-core is not installed")
+    return info
+
+
+def check_settings(ctx: dict[str, Any]) -> dict[str, Any]:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.distributed import init_distributed
+    from megatron_rl.trainer.model import (
+        apex_wgrad_kernel,
+        performance_settings,
+        transformer_config,
+        use_transformer_engine,
+    )
+
+    run = load_config("scalerl", "qwen3_4b", SINGLE)
+    te = use_transformer_engine(run.trainer)
+    perf = performance_settings(run.trainer)
+    if perf["gradient_accumulation_fusion"] and not apex_wgrad_kernel():
+        raise AssertionError("gradient_accumulation_fusion resolves on without Apex's fused_weight_gradient_mlp_cuda")
+    init_distributed(run.parallel, seed=0)
+    assert parallel_state.model_parallel_is_initialized()
+    config = transformer_config(run.model, run.parallel, run.trainer)
+    linear = ColumnParallelLinear(  # GPTModel's output layer, as megatron builds it, at a small vocabulary
+        run.model.hidden_size, 1024, config=config, init_method=config.init_method, bias=False, skip_bias_add=False
+    )
+    device = next(linear.parameters()).device.type
+    return {"transformer_engine": te, **perf, "output_layer_device": device}
+
+
+def check_logprobs(ctx: dict[str, Any]) -> dict[str, Any]:
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.config import load_config
+    from megatron_rl.models.tiny import build_tiny_model
+
+    device = torch.device("cuda") if ctx["cuda"] else torch.device("cpu")
+    te_installed = ctx["environment"].get("transformer_engine") is not None and ctx["cuda"]
+    results: dict[str, Any] = {}
+    failures = []
+    batch_shape = {"prompts": 3, "group": 3, "prompt_len": (15, 30), "completion_len": (25, 70)}
+    for fam, (name, rules) in FAMILIES.items():
+        cfg = load_config("scalerl-cpu", name, rules + SINGLE).model
+        hf_dir = build_tiny_model(Path(ctx["tmp"]) / name, cfg, seed=5, std=0.2)
+        ctx.setdefault("tiny", {})[fam] = (name, rules, hf_dir)
+        groups = synthetic_groups(5, vocab=cfg.vocab_size, **batch_shape)
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").to(device)
+        expected = hf_logprobs(hf, groups, device)
+        hf_bf16 = hf_logprobs(hf.to(torch.bfloat16), groups, device)
+        del hf
+        row: dict[str, Any] = {"hf_bf16_mean": max_mean_diff(hf_bf16, expected)[1]}
+        base = rules + ["trainer.micro_batch_tokens=512"]
+        for dtype in ("fp32", "bf16"):
+            local_spec = base + [f"trainer.params_dtype={dtype}", "trainer.layer_spec=local"]
+            with trainer_for("scalerl-cpu", name, local_spec) as t:
+                load_hf(t, hf_dir)
+                got = t.compute_logprobs(groups)
+            worst, mean = max_mean_diff(got, expected)
+            row[f"{dtype}_max"], row[f"{dtype}_mean"] = worst, mean
+            if dtype == "fp32" and worst > FP32_TOLERANCE:
+                failures.append(f"{fam} fp32: max |dlogp| {worst:.2e} > {FP32_TOLERANCE:.0e}")
+            if dtype == "bf16" and mean > max(row["hf_bf16_mean"], 1e-3):
+                failures.append(f"{fam} bf16: mean |dlogp| {mean:.2e} > transformers' bf16 {row['hf_bf16_mean']:.2e}")
+            if dtype == "bf16" and te_installed:
+                local = got
+                with trainer_for(
+                    "scalerl-cpu", name, base + ["trainer.params_dtype=bf16", "trainer.layer_spec=transformer_engine"]
+                ) as t:
+                    load_hf(t, hf_dir)
+                    te_got = t.compute_logprobs(groups)
+                row["te_vs_local_max"], row["te_vs_local_mean"] = max_mean_diff(te_got, local)
+                if row["te_vs_local_mean"] > max(row["hf_bf16_mean"], 1e-3):
+                    failures.append(f"{fam} TE vs local: mean |dlogp| {row['te_vs_local_mean']:.2e}")
+        results[fam] = row
+    results["te_spec"] = "compared" if te_installed else "not installed: local spec only"
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return results
+
+
+def check_push(ctx: dict[str, Any]) -> dict[str, Any]:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.trainer.weights import iter_hf_weights
+
+    if "tiny" not in ctx:
+        raise NotRun("needs the logprobs check's tiny models")
+    device = torch.device("cuda") if ctx["cuda"] else torch.device("cpu")
+    results: dict[str, Any] = {}
+    failures = []
+    for fam, (name, rules, hf_dir) in ctx["tiny"].items():
+        overrides = rules + ["trainer.micro_batch_tokens=512", "trainer.params_dtype=fp32", "trainer.layer_spec=local"]
+        overrides += ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0"]
+        groups = synthetic_groups(7, 3, 3, 512, (15, 30), (25, 70))
+        with trainer_for("scalerl-cpu", name, overrides) as t:
+            load_hf(t, hf_dir)
+            for _ in range(2):
+                metrics = t.train_step(groups)
+            trained = t.compute_logprobs(groups)
+            pushed = [pair for bucket in iter_hf_weights(t.model, t.run.model, dtype=torch.float32) for pair in bucket]
+            engine_names = [n for bucket in iter_hf_weights(t.model, t.run.model, engine=True) for n, _ in bucket]
+            steps = t.step
+        # The pushed stream as a checkpoint beside the starting model's config: transformers loads it by the names
+        # a checkpoint has (its own in-memory layout may fuse experts), as SGLang's loader does.
+        expected_names = set(safe_open(hf_dir / "model.safetensors", "pt").keys())
+        names = {n for n, _ in pushed}
+        missing, extra = expected_names - names, names - expected_names
+        out = Path(ctx["tmp"]) / f"pushed_{name}"
+        out.mkdir()
+        shutil.copy(hf_dir / "config.json", out / "config.json")
+        save_file({n: w.contiguous().cpu() for n, w in pushed}, out / "model.safetensors")
+        hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager").to(device)
+        worst, mean = max_mean_diff(hf_logprobs(hf, groups, device), trained)
+        results[fam] = {"tensors": len(pushed), "engine_tensors": len(engine_names), "steps": steps,
+                        "loss": metrics["train/loss"], "max": worst, "mean": mean}  # fmt: skip
+        if missing or extra:
+            failures.append(f"{fam}: missing {sorted(missing)[:3]}, unexpected {sorted(extra)[:3]}")
+        if steps != 2:
+            failures.append(f"{fam}: {2 - steps} of 2 steps skipped")
+        if worst > FP32_TOLERANCE:
+            failures.append(f"{fam}: pushed weights give max |dlogp| {worst:.2e} against the trainer")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return results
+
+
+def check_loop(ctx: dict[str, Any]) -> dict[str, Any]:
+    from megatron_rl.plan import GIB
+    from megatron_rl.trainer.weights import iter_hf_weights
+
+    cuda = ctx["cuda"]
+    steps = ctx["steps"]
+    if cuda:
+        memory_gib = torch.cuda.get_device_properties(0).total_memory / GIB
+        model, layers = "qwen3_4b", (36 if memory_gib > 100 else 18)
+        recipe, model, layers = "scalerl", "qwen3_4b", (36 if memory_gib > 100 else 18)
+        # rows of the recipe's longest sequence (16,384 tokens and the interruption phrase's allowance)
+        overrides = [f"model.num_layers={layers}", "trainer.micro_batch_tokens=16448",
+                     "trainer.recompute.granularity=full", f"compute.device_memory_gib={memory_gib:.0f}"]  # fmt: skip
+        shape = {"prompts": 4, "group": 4, "prompt_len": (128, 512), "completion_len": (256, 2304)}
+    else:
+        recipe, model, layers = "scalerl-cpu", "cpu_demo", None
+        overrides = []
+        shape = {"prompts": 2, "group": 4, "prompt_len": (8, 32), "completion_len": (16, 96)}
+    plan = plan_numbers(recipe, model, overrides)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times, tokens, metrics = [], [], {}
+    memory = {"static_gib": 0.0, "forward_backward_peak_gib": 0.0, "optimizer_step_peak_gib": 0.0}
+    with trainer_for(recipe, model, overrides) as t:
+        if cuda:
+            memory["static_gib"] = torch.cuda.memory_allocated() / GIB
+            inner_step = t.optimizer.step
+
+            def measured_step() -> Any:  # the peak of the forward/backward, then of the optimizer's step alone
+                peak = memory["forward_backward_peak_gib"]
+                memory["forward_backward_peak_gib"] = max(peak, torch.cuda.max_memory_allocated() / GIB)
+                torch.cuda.reset_peak_memory_stats()
+                out = inner_step()
+                peak = memory["optimizer_step_peak_gib"]
+                memory["optimizer_step_peak_gib"] = max(peak, torch.cuda.max_memory_allocated() / GIB)
+                return out
+
+            t.optimizer.step = measured_step
+        for step in range(steps + 1):  # step 0 warms up (allocator, kernels) and is not timed
+            groups = synthetic_groups(100 + step, vocab=t.run.model.vocab_size, **shape)
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            started = time.perf_counter()
+            metrics = t.train_step(groups)
+            if cuda:
+                torch.cuda.synchronize()
+            if step:
+                times.append(time.perf_counter() - started)
+                tokens.append(metrics["train/tokens"])
+            print(f"  loop step {step}: {metrics['train/step_time_s']:.2f} s, loss {metrics['train/loss']:.4f}, "
+                  f"grad norm {metrics['train/grad_norm']:.3f}", flush=True)  # fmt: skip
+        skipped = t.skipped_steps
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        started = time.perf_counter()
+        pushed_bytes = sum(
+            w.numel() * w.element_size()
+            for bucket in iter_hf_weights(t.model, t.run.model, dtype=torch.bfloat16, engine=True)
+            for _, w in bucket
+        )
+        if cuda:
+            torch.cuda.synchronize()
+        push_s = time.perf_counter() - started
+        push_peak = (torch.cuda.max_memory_allocated() - before) / GIB if cuda else None
+        mfu = metrics.get("train/mfu")
+    median = sorted(times)[len(times) // 2]
+    result = {
+        "model": model if layers is None else f"{model} ({layers} layers)",
+        "steps": steps,
+        "median_step_s": median,
+        "tokens_per_s": sum(tokens) / sum(times),
+        "mfu_last": mfu,
+        "skipped_steps": skipped,
+        **memory,
+        "push_gib_pushed": pushed_bytes / GIB,
+        "push_s": push_s,
+        "push_peak_gib": push_peak,
+        **plan,
+    }
+    failures = []
+    if skipped:
+        failures.append(f"{skipped} of {steps + 1} steps skipped (non-finite loss or gradients)")
+    if cuda and memory["forward_backward_peak_gib"] > result["plan_rank_gib"]:
+        failures.append(
+            f"forward/backward peak {memory['forward_backward_peak_gib']:.1f} GiB above the plan's "
+            f"{result['plan_rank_gib']:.1f} GiB"
+        )
+    # Without Transformer Engine and Apex megatron steps with torch's AdamW, whose foreach update holds one fp32
+    # temporary per parameter (the cluster's image steps with Transformer Engine's FusedAdam, in place).
+    fused_adam = ctx["environment"].get("transformer_engine") or ctx["environment"].get("apex_wgrad_kernel")
+    step_allowance = 0.0 if fused_adam else 4.0 * plan["local_params"] / GIB
+    result["plan_optimizer_step_gib"] = plan["plan_steady_gib"] + step_allowance
+    if cuda and memory["optimizer_step_peak_gib"] > result["plan_optimizer_step_gib"]:
+        failures.append(
+            f"optimizer step peak {memory['optimizer_step_peak_gib']:.1f} GiB above the plan's "
+            f"{result['plan_optimizer_step_gib']:.1f} GiB"
+        )
+    if cuda and push_peak is not None and push_peak > plan["plan_push_gib"]:
+        failures.append(f"push transient {push_peak:.2f} GiB above the plan's {plan['plan_push_gib']:.2f} GiB")
+    if failures:
+        raise CheckFailed("; ".join(failures), result)
+    return result
+
+
+def plan_numbers(recipe: str, model: str, overrides: list[str]) -> dict[str, float]:
+    """The memory plan's trainer rank for this layout, from a fresh process (the plan forms fake process groups)."""
+    spec = json.dumps([recipe, model, SINGLE + overrides])
+    done = subprocess.run([sys.executable, __file__, "--plan", spec], capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise AssertionError(f"megatron-rl plan failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _print_plan(spec: str) -> None:
+    from megatron_rl.config import load_config
+    from megatron_rl.plan import GIB, make_plan
+
+    recipe, model, overrides = json.loads(spec)
+    plan = make_plan(load_config(recipe, model, overrides), suggest=False)
+    rank = plan.ranks[0]
+    numbers = {
+        "plan_rank_gib": (rank.total - rank.reserve) / GIB,
+        "plan_activations_logprobs_gib": (rank.activations + rank.logprobs) / GIB,
+        "plan_push_gib": plan.push.rank0 / GIB,
+        "plan_steady_gib": (rank.weights + rank.gradients + rank.optimizer) / GIB,
+        "local_params": rank.dense_params + rank.expert_params,
+    }
+    print(json.dumps(numbers))
+
+
+CHECKS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "environment": check_environment,
+    "settings": check_settings,
+    "logprobs": check_logprobs,
+    "push": check_push,
+    "loop": check_loop,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="directory for results.json")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of the loop check")
+    parser.add_argument("--only", nargs="*", default=None, choices=list(CHECKS), help="run these checks only")
+    parser.add_argument("--plan", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.plan:
+        _print_plan(args.plan)
+        return 0
+    torch.manual_seed(0)
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx: dict[str, Any] = {"tmp": tmp, "steps": args.steps, "cuda": torch.cuda.is_available()}
+        for name, check in CHECKS.items():
+            if args.only is not None and name not in args.only and name != "environment":
+                continue
+            started = time.perf_counter()
+            try:
+                value = check(ctx)
+                status = "PASS"
+            except CheckFailed as exc:
+                value, status = {**exc.numbers, "error": str(exc)}, "FAIL"
+            except NotRun as exc:
+                value, status = {"reason": str(exc)}, "NOT RUN"
+            except Exception as exc:  # a failed check is reported, the others still run
+                value, status = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}, "FAIL"
+            ctx[name] = value
+            results[name] = {"status": status, "seconds": round(time.perf_counter() - started, 1), **value}
+            print(f"[{status}] {name} ({results[name]['seconds']} s): {json.dumps(_short(value))}", flush=True)
+            if args.out:
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print()
+    print(f"{'check':<12} {'status':<8} {'seconds':>8}")
+    for name, row in results.items():
+        print(f"{name:<12} {row['status']:<8} {row['seconds']:>8}")
+    return 1 if any(r["status"] == "FAIL" for r in results.values()) else 0
+
+
+def _short(value: dict[str, Any]) -> dict[str, Any]:
+    def fmt(v: Any) -> Any:
+        if isinstance(v, float):
+            return float(f"{v:.4g}")
+        if isinstance(v, dict):
+            return {k: fmt(x) for k, x in v.items()}
+        return v
+
+    return {k: fmt(v) for k, v in value.items() if k != "trace"}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
