@@ -40,6 +40,10 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
     """Whether to build with Transformer Engine's layer spec (`trainer.layer_spec`)."""
     if trainer.layer_spec == "local":
         return False
+    from megatron_rl.trainer import te_standin
+
+    if te_standin.active():  # this process builds what a GPU node builds (te_standin.install())
+        return True
     try:
         import transformer_engine  # noqa: F401
 
