@@ -116,15 +116,20 @@ def check_allocation(config: Any, allocation: str) -> None:
 
 
 def check_memory(config: Any) -> None:
-    """The memory plan of a GPU run (megatron_rl/plan.py): print it, refuse one that does not fit."""
+    """The memory plan of a GPU run (megatron_rl/plan.py): print it, refuse one that does not fit; then the trainer
+    built as a GPU node builds it (Transformer Engine's spec, the node's kernel switches: `gpu_build_check`)."""
     if config.compute.device_kind != "gpu":
         return
-    from megatron_rl.plan import format_plan, make_plan
+    from megatron_rl.plan import format_plan, gpu_build_check, make_plan
 
     plan = make_plan(config)
     print(format_plan(plan))
     if not plan.fits:
         raise ConfigError("memory plan: " + "; ".join(plan.problems))
+    build = gpu_build_check(config, plan)
+    print(f"GPU build: {build.summary}")
+    if build.problems:
+        raise ConfigError("GPU build: " + "; ".join(build.problems))
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:

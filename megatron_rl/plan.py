@@ -616,3 +616,87 @@ def format_plan(plan: Plan) -> str:
         lines += [f"plan: does not fit: {problem}" for problem in plan.problems]
         lines += [f"  fits with: {s}" for s in plan.suggestions] or ["  no single layout change makes it fit"]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU build: megatron's Transformer Engine spec with the cluster's switches, through the TE stand-in
+
+
+@dataclass
+class GpuBuild:
+    """What building the trainer as a GPU node does found (`gpu_build_check`)."""
+
+    checked: bool
+    summary: str
+    problems: list[str] = field(default_factory=list)
+
+
+def gpu_build_check(run: RunConfig, plan: Plan | None = None) -> GpuBuild:
+    """Build every pipeline stage's first rank as a GPU node with the image's packages would: Transformer Engine's
+    layer spec and the kernel switches the node resolves (`cluster_performance_settings`), megatron-core's own
+    validation included, on the meta device, with trainer/te_standin.py standing in for TE and checking each
+    constructor call against TE's signatures. In a fresh process (the stand-in must be in place before
+    megatron-core is imported). With `plan`, the stage parameter counts must equal the plan's (built with the
+    local spec). Nothing to do for the local spec, or where Transformer Engine itself is installed (the node
+    builds it for real at start)."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if run.trainer.layer_spec == "local":
+        return GpuBuild(False, "trainer.layer_spec=local: megatron-core's local spec, as the memory plan builds it")
+    if importlib.util.find_spec("transformer_engine") is not None:
+        return GpuBuild(False, "Transformer Engine is installed here: the trainer builds with it at start")
+    child = "from megatron_rl.plan import _gpu_build_child; _gpu_build_child()"
+    done = subprocess.run(
+        [sys.executable, "-c", child], input=json.dumps(to_dict(run)), capture_output=True, text=True, check=False
+    )
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"GPU build check failed: {done.stderr.strip()[-2000:]}")
+    result = json.loads(lines[-1])
+    problems = [result["problem"]] if result["problem"] else []
+    if plan is not None and not problems:
+        for stage, (dense, expert) in enumerate(result["stages"]):
+            rank = plan.ranks[stage]
+            if (dense, expert) != (rank.dense_params, rank.expert_params):
+                problems.append(
+                    f"trainer stage {stage}: Transformer Engine's spec holds {dense:,} + {expert:,} expert parameters, "
+                    f"the plan counted {rank.dense_params:,} + {rank.expert_params:,}"
+                )
+    return GpuBuild(True, result["summary"], problems)
+
+
+def _gpu_build_child() -> None:
+    """`gpu_build_check`'s process: reads the run's config (JSON) on stdin, prints one JSON line."""
+    import json
+    import sys
+    from collections import Counter
+
+    from megatron_rl.trainer import te_standin
+
+    te_standin.install()
+    run = build(RunConfig, json.loads(sys.stdin.read()))
+    out: dict = {"stages": [], "problem": None, "summary": ""}
+    try:
+        for stage in range(run.parallel.pp):
+            params = stage_parameters(run, stage)
+            out["stages"].append([params.dense, params.expert])
+    except ConfigError as exc:
+        out["problem"] = str(exc)
+    except te_standin.TEStandinError as exc:
+        out["problem"] = f"trainer.performance / trainer.layer_spec: {exc}"
+    built = Counter(call.cls for call in te_standin.CALLS if call.method == "__init__")
+    flags = sorted(
+        {
+            f"{name}={call.arguments[name]}"
+            for call in te_standin.CALLS
+            if call.method == "__init__"
+            for name in ("fuse_wgrad_accumulation", "sequence_parallel", "params_dtype")
+            if name in call.arguments
+        }
+    )
+    modules = ", ".join(f"{count} {cls}" for cls, count in sorted(built.items()))
+    out["summary"] = f"Transformer Engine {te_standin.VERSION} (stand-in): {modules}; {', '.join(flags)}"
+    print(json.dumps(out))

@@ -40,9 +40,7 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
     """Whether to build with Transformer Engine's layer spec (`trainer.layer_spec`)."""
     if trainer.layer_spec == "local":
         return False
-    from megatron_rl.trainer import te_standin
-
-    if te_standin.active():  # this process builds what a GPU node builds (te_standin.install())
+    if _standin():  # this process builds what a GPU node builds (te_standin.install())
         return True
     try:
         import transformer_engine  # noqa: F401
@@ -56,6 +54,12 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
             "available; use trainer.layer_spec=local or auto"
         )
     return available
+
+
+def _standin() -> bool:
+    from megatron_rl.trainer import te_standin
+
+    return te_standin.active()
 
 
 def apex_wgrad_kernel() -> bool:
@@ -118,7 +122,9 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
     # megatron-core allocates each one on torch.cuda.current_device().
     cpu_init = meta or not torch.cuda.is_available()
     te = cluster_transformer_engine(trainer) if meta else use_transformer_engine(trainer)
-    perf = meta_performance_settings(trainer) if meta else performance_settings(trainer)
+    perf = performance_settings(trainer)
+    if meta:  # with the TE stand-in, the cluster's own switches (megatron validates them at construction)
+        perf = cluster_performance_settings(trainer) if _standin() else meta_performance_settings(trainer)
     dispatcher = model.moe.token_dispatcher
     moe: dict[str, Any] = {}
     if model.is_moe:
@@ -201,11 +207,12 @@ def build_model(
 
     config = transformer_config(model, parallel, trainer, meta=meta)
     config.perform_initialization = initialize
-    # The plan builds the local spec even where the cluster runs Transformer Engine's: TE's modules allocate
-    # on an explicit device (CPU or CUDA, never the meta device) and need TE installed. Parameter counts are
-    # identical: TE fuses each norm's weight into the following linear layer (same elements), and its grouped
-    # experts hold the same per-expert fc1/fc2 weights as megatron's SequentialMLP.
-    te = False if meta else use_transformer_engine(trainer)
+    # The plan builds the local spec where the cluster runs Transformer Engine's (TE's modules allocate on an
+    # explicit device, never the meta device), unless the TE stand-in is installed (trainer/te_standin.py, the
+    # GPU build check): then TE's spec with the cluster's switches. Parameter counts are identical (TE fuses
+    # each norm's weight into the following linear layer; its grouped experts hold the same per-expert
+    # weights as megatron's SequentialMLP), which the GPU build check verifies.
+    te = (cluster_transformer_engine(trainer) and _standin()) if meta else use_transformer_engine(trainer)
     spec = get_gpt_decoder_block_spec(
         config, use_transformer_engine=te, normalization="RMSNorm", qk_l2_norm=model.qk_l2_norm
     )

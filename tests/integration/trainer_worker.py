@@ -6,7 +6,8 @@ SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root
        "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, "push": bool, ...}.
 Every rank writes its results to `out.rank<r>`: log-probs of a fixed batch before training, its packed rows,
 then the loss and grad norm of each step; on request ("grads", "record_collectives", "record_checkpoints")
-the last step's gradients, what each collective received, and megatron's activation checkpoints per phase.
+the last step's gradients, what each collective received, and megatron's activation checkpoints per phase;
+with "te_standin", Transformer Engine's layer spec through trainer/te_standin.py and every call it recorded.
 """
 
 from __future__ import annotations
@@ -175,6 +176,10 @@ def _take(counts: dict[str, Counter]) -> dict[str, dict[str, int]]:
 
 
 def main(spec: dict) -> None:
+    if spec.get("te_standin"):  # Transformer Engine's spec through the stand-in: before megatron-core is imported
+        from megatron_rl.trainer import te_standin
+
+        te_standin.install()
     from megatron_rl.config import load_config
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.step import Trainer, sequences_from_groups
@@ -261,6 +266,11 @@ def main(spec: dict) -> None:
         result["head_dtype"] = str(head.dtype)
         result["head_grad_dtype"] = str(head.main_grad.dtype) if getattr(head, "main_grad", None) is not None else None
         result["body_dtype"] = str(next(trainer.model.decoder.parameters()).dtype)
+    if spec.get("te_standin"):
+        from megatron_rl.trainer import te_standin
+
+        result["te_calls"] = [(c.cls, c.method, c.arguments) for c in te_standin.CALLS]
+        result["layer_types"] = sorted({type(m).__name__ for m in trainer.model.modules()})
     rank = torch.distributed.get_rank()
     torch.save(result, f"{spec['out']}.rank{rank}")
 
