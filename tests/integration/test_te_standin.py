@@ -158,3 +158,23 @@ def test_the_gpu_build_of_a_shipped_moe_model_passes_and_counts_what_the_plan_co
     assert "params_dtype=torch.bfloat16" in build.summary and "fuse_wgrad_accumulation=False" in build.summary
     plan.ranks[0].expert_params += 1  # a plan that counted differently is reported
     assert "the plan counted" in gpu_build_check(run, plan).problems[0]
+
+
+@pytest.mark.slow
+def test_every_shipped_gpu_recipe_builds_as_a_gpu_node_builds_it():
+    """Recipes that differ in what the trainer builds (dtype, FP32 head, recompute, layout, model) each pass."""
+    import json
+
+    from megatron_rl.config import list_recipes, to_dict
+    from megatron_rl.plan import gpu_build_check
+
+    distinct: dict[str, str] = {}
+    for recipe in list_recipes():
+        run = load_config(recipe)
+        if run.compute.device_kind == "gpu":
+            key = json.dumps([run.model.name, to_dict(run.trainer), to_dict(run.parallel)], default=str)
+            distinct.setdefault(key, recipe)
+    assert len(distinct) >= 3
+    for recipe in distinct.values():
+        build = gpu_build_check(load_config(recipe))
+        assert build.checked and not build.problems, (recipe, build.problems)
