@@ -23,9 +23,13 @@ the end; the exit status is 1 when any check fails.
                  device holds them, 18 otherwise; cpu_demo on CPU): step time, tokens/s, MFU, peak memory against
                  the memory plan's trainer rank, the push's transient against the plan's push column
 
-What this does not run: SGLang engines (the generator side needs SGLang's CUDA kernels, a separate install) and
-NCCL between two processes (one device; NCCL refuses two ranks on one GPU). The smoke tier of the test suite runs
-this script (`pytest -m gpu`).
+    engine       where SGLang is installed: the trained tiny policy pushed in flight into a real SGLang engine over
+                 the weight-sync group (NCCL between two GPUs; gloo on CPU), the engine's log-probs of what it
+                 samples next against the trainer's (fp32 engine, within 1e-3), and a push into a SIGSTOPped engine
+                 failing within `rollout.sync_timeout_s` (20 s here). NCCL refuses two ranks on one GPU, so a
+                 one-GPU node does not run it.
+
+The smoke tier of the test suite runs this script (`pytest -m gpu`).
 """
 
 from __future__ import annotations
@@ -421,6 +425,113 @@ def check_loop(ctx: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def check_engine(ctx: dict[str, Any]) -> dict[str, Any]:
+    """A trained policy pushed in flight into a real SGLang engine over the weight-sync group (NCCL on GPUs, gloo on
+    CPU), the engine's log-probs of what it then samples against the trainer's, and a push into a stopped engine
+    (SIGSTOP: alive, answering nothing) failing within `rollout.sync_timeout_s`."""
+    import asyncio
+    import os
+    import signal
+
+    if importlib.util.find_spec("sglang") is None:
+        raise NotRun("SGLang is not installed on this node")
+    if "tiny" not in ctx:
+        raise NotRun("needs the logprobs check's tiny models")
+    cuda = ctx["cuda"]
+    if cuda and torch.cuda.device_count() < 2:
+        raise NotRun("one GPU: NCCL refuses two ranks (trainer and engine) on one device; needs two GPUs")
+    from megatron_rl.config import EngineConfig, SamplingConfig, load_config
+    from megatron_rl.generator.client import SGLangClient
+    from megatron_rl.generator.server import SGLangServer
+    from megatron_rl.generator.weight_sync import SyncError, WeightSender
+    from megatron_rl.trainer.distributed import free_port
+    from megatron_rl.trainer.weights import iter_hf_weights
+
+    name, rules, hf_dir = ctx["tiny"]["llama"]
+    timeout = 20
+    rollout = load_config("scalerl-cpu", name, [f"rollout.sync_timeout_s={timeout}"]).rollout
+    engine = EngineConfig(device="cuda" if cuda else "cpu", dtype="float32", tp=1, fp32_lm_head=True)
+    server = SGLangServer(hf_dir, engine, Path(ctx["tmp"]) / "engine.log", max_total_tokens=8192, context_length=512)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cuda:  # the trainer holds device 0; the engine gets device 1
+        os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+    try:
+        server.start()
+    finally:
+        if visible is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+    overrides = rules + ["trainer.micro_batch_tokens=512", "trainer.params_dtype=fp32", "trainer.layer_spec=local",
+                         "trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0"]  # fmt: skip
+    sender = None
+    result: dict[str, Any] = {}
+    try:
+        asyncio.run(server.wait_ready(timeout_s=600))
+        result["engine_ready_s"] = server.ready_seconds
+        with trainer_for("scalerl-cpu", name, overrides) as t:
+            t.train_step(synthetic_groups(7, 3, 3, 512, (15, 30), (25, 70)))
+            sender = WeightSender([server.url], "127.0.0.1", free_port(), rollout)
+            sender.connect()
+            stream = iter_hf_weights(t.model, t.run.model, 1 << 20, dtype=torch.float32, dst=0, engine=True)
+            stats = sender.send(stream, version=t.version)
+            result.update({k: v for k, v in stats.items() if k in ("sync/bytes", "sync/buckets", "sync/seconds")})
+
+            async def sample() -> list[Any]:
+                client = SGLangClient(server.url)
+                try:
+                    prompts = [[5, 17, 42, 99], [7, 8, 9], [100, 200, 300, 400, 12]]
+                    t1 = SamplingConfig(temperature=1.0, top_p=1.0)
+                    segments = await asyncio.gather(*(client.generate(p, 48, [], t1, {"ignore_eos": True})
+                                                      for p in prompts))  # fmt: skip
+                    return list(zip(prompts, segments, strict=True))
+                finally:
+                    await client.close()
+
+            sampled = asyncio.run(sample())
+            from megatron_rl.rollout.types import Completion, Group
+
+            groups = [
+                Group(
+                    str(i),
+                    "math",
+                    [Completion(str(i), "math", p, s.tokens, s.logprobs, s.versions, [True] * len(s.tokens))],
+                )  # fmt: skip
+                for i, (p, s) in enumerate(sampled)
+            ]
+            trainer_lp = t.compute_logprobs(groups)
+            worst, mean = max_mean_diff([s.logprobs for _, s in sampled], trainer_lp)
+            result.update({"engine_vs_trainer_max": worst, "engine_vs_trainer_mean": mean})
+            versions = {v for _, s in sampled for v in s.versions}
+            result["versions"] = sorted(versions)
+
+            os.killpg(server.pid, signal.SIGSTOP)  # HTTP server, scheduler and detokenizer
+            started = time.perf_counter()
+            try:
+                sender.send(iter_hf_weights(t.model, t.run.model, 1 << 20, dtype=torch.float32, engine=True), 99)
+                result["stopped_engine"] = "push succeeded"
+            except SyncError as exc:
+                result["stopped_engine"] = f"SyncError: {str(exc)[:120]}"
+            result["stopped_push_s"] = time.perf_counter() - started
+            os.killpg(server.pid, signal.SIGCONT)
+    finally:
+        if sender is not None:
+            sender.close()
+        server.stop()
+    failures = []
+    if result.get("versions") != [1]:
+        failures.append(f"sampled with weight versions {result.get('versions')}, expected [1]")
+    if result.get("engine_vs_trainer_max", 1.0) > 1e-3:
+        failures.append(f"engine vs trainer log-probs: max |d| {result['engine_vs_trainer_max']:.2e} > 1e-3")
+    if not str(result.get("stopped_engine", "")).startswith("SyncError"):
+        failures.append(f"push into a stopped engine: {result.get('stopped_engine')}")
+    if result.get("stopped_push_s", 0.0) > timeout + 15:
+        failures.append(f"push into a stopped engine took {result['stopped_push_s']:.0f} s (timeout {timeout} s)")
+    if failures:
+        raise CheckFailed("; ".join(failures), result)
+    return result
+
+
 def plan_numbers(recipe: str, model: str, overrides: list[str]) -> dict[str, float]:
     """The memory plan's trainer rank for this layout, from a fresh process (the plan forms fake process groups)."""
     spec = json.dumps([recipe, model, SINGLE + overrides])
@@ -452,6 +563,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "settings": check_settings,
     "logprobs": check_logprobs,
     "push": check_push,
+    "engine": check_engine,
     "loop": check_loop,
 }
 
