@@ -39,7 +39,6 @@ import contextlib
 import importlib.util
 import json
 import math
-import random
 import shutil
 import subprocess
 import sys
@@ -89,30 +88,10 @@ class CheckFailed(AssertionError):
 def synthetic_groups(
     seed: int, prompts: int, group: int, vocab: int, prompt_len: tuple[int, int], completion_len: tuple[int, int]
 ) -> list[Any]:
-    """Groups of random tokens with rewards of both signs (non-zero advantages); lengths drawn from [low, high)."""
-    from megatron_rl.rollout.types import Completion, Group
+    """Random groups with rewards of both signs (non-zero advantages), generator log-probs near uniform."""
+    from megatron_rl.rollout.types import random_groups
 
-    rng = random.Random(seed)
-    groups = []
-    for p in range(prompts):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(*prompt_len))]
-        completions = []
-        for g in range(group):
-            n = rng.randrange(*completion_len)
-            completions.append(
-                Completion(
-                    prompt_id=str(p),
-                    task="math",
-                    prompt_tokens=prompt,
-                    tokens=[rng.randrange(5, vocab) for _ in range(n)],
-                    gen_logprobs=[-math.log(vocab) + 0.1 * rng.random() for _ in range(n)],
-                    versions=[0] * n,
-                    loss_mask=[True] * n,
-                    reward=float((p + g) % 2 * 2 - 1),
-                )
-            )
-        groups.append(Group(str(p), "math", completions))
-    return groups
+    return random_groups(seed, prompts, group, vocab, prompt_len, completion_len, gen_logprob=-math.log(vocab))
 
 
 def hf_logprobs(model: Any, groups: list[Any], device: torch.device) -> list[list[float]]:

@@ -70,3 +70,42 @@ class Group:
     @property
     def oldest_version(self) -> int:
         return min(c.oldest_version for c in self.completions)
+
+
+def random_groups(
+    seed: int,
+    prompts: int,
+    group: int,
+    vocab: int,
+    prompt_len: tuple[int, int],
+    completion_len: tuple[int, int],
+    gen_logprob: float = -6.0,
+    masked_index: int | None = None,
+) -> list[Group]:
+    """Groups of random token ids (5 <= id < `vocab`) for tests, benchmarks and the GPU smoke check: a prompt length
+    per group and a completion length per sample drawn from [low, high), rewards +1/-1 alternating (every group with
+    more than one sample has both signs: non-zero advantages), generator log-probs `gen_logprob` + U(0, 0.1), and
+    token `masked_index` of each completion out of the loss (an injected token)."""
+    import random
+
+    rng = random.Random(seed)
+    groups = []
+    for p in range(prompts):
+        prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(*prompt_len))]
+        completions = []
+        for g in range(group):
+            n = rng.randrange(*completion_len)
+            completions.append(
+                Completion(
+                    prompt_id=str(p),
+                    task="math",
+                    prompt_tokens=prompt,
+                    tokens=[rng.randrange(5, vocab) for _ in range(n)],
+                    gen_logprobs=[gen_logprob + 0.1 * rng.random() for _ in range(n)],
+                    versions=[0] * n,
+                    loss_mask=[i != masked_index for i in range(n)],
+                    reward=float((p + g) % 2 * 2 - 1),
+                )
+            )
+        groups.append(Group(str(p), "math", completions))
+    return groups

@@ -13,7 +13,6 @@ with "te_standin", Transformer Engine's layer spec through trainer/te_standin.py
 from __future__ import annotations
 
 import json
-import random
 import sys
 from collections import Counter
 from collections.abc import Iterator
@@ -30,30 +29,11 @@ def fixed_batch(
     prompt_len: tuple[int, int] = (3, 9),
     completion_len: tuple[int, int] = (2, 12),
 ) -> list:
-    """Groups of random tokens; lengths drawn from [low, high) (prompt per group, completion per sample)."""
-    from megatron_rl.rollout.types import Completion, Group
+    """Groups of random tokens; lengths drawn from [low, high) (prompt per group, completion per sample), one masked
+    (injected) token per completion."""
+    from megatron_rl.rollout.types import random_groups
 
-    rng = random.Random(seed)
-    groups = []
-    for p in range(prompts):
-        prompt = [rng.randrange(5, vocab) for _ in range(rng.randrange(*prompt_len))]
-        completions = []
-        for g in range(group):
-            n = rng.randrange(*completion_len)
-            completions.append(
-                Completion(
-                    prompt_id=str(p),
-                    task="math",
-                    prompt_tokens=prompt,
-                    tokens=[rng.randrange(5, vocab) for _ in range(n)],
-                    gen_logprobs=[-6.0 + 0.1 * rng.random() for _ in range(n)],
-                    versions=[0] * n,
-                    loss_mask=[i != 1 for i in range(n)],  # one masked (injected) token per completion
-                    reward=float((p + g) % 2 * 2 - 1),
-                )
-            )
-        groups.append(Group(str(p), "math", completions))
-    return groups
+    return random_groups(seed, prompts, group, vocab, tuple(prompt_len), tuple(completion_len), masked_index=1)
 
 
 COLLECTIVES = (
