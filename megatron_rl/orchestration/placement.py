@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config import ConfigError, RunConfig
 
 READY_TIMEOUT_S = 30.0
 """How long placement groups may take to be placed before the run fails (seconds; placing takes well under one
@@ -86,6 +86,32 @@ class Placement:
         for group in self.groups:
             remove_placement_group(group)
         self.groups = []
+
+
+def cpu_processes(run: RunConfig) -> int:
+    """Ray actors of a run that each take one CPU slot (`{"num_cpus": 1}`): trainer ranks on cores and CPU engines."""
+    trainers = run.parallel.trainer_devices if run.compute.device_kind != "gpu" else 0
+    engines = run.rollout.engine.num_engines if run.rollout.engine.device != "cuda" else 0
+    return trainers + engines
+
+
+def local_ray_cpus(run: RunConfig, cores: int) -> int:
+    """CPU slots for a run's local Ray instance: the machine's cores, or more when the run has more processes than
+    cores (an EP 2 tiny MoE with its engine is three on a two-core laptop). Ray's CPU count only admits actors; the
+    processes then share the cores. Fewer slots than actors would leave the last ones pending forever."""
+    return max(cores, cpu_processes(run))
+
+
+def check_cpu_slots(run: RunConfig, slots: float) -> None:
+    """Refuse a CPU run whose Ray cluster has fewer CPU slots than its processes (an external cluster): the actors
+    past the last slot would wait forever, silently."""
+    needed = cpu_processes(run)
+    if slots < needed:
+        raise ConfigError(
+            f"parallel.trainer_devices / rollout.engine.num_engines: this CPU run starts {needed} processes "
+            f"({run.parallel.trainer_devices} trainer ranks + {run.rollout.engine.num_engines} engine(s)), each taking "
+            f"one Ray CPU, and the Ray cluster has {slots:g}; start it with more (ray start --num-cpus={needed})"
+        )
 
 
 def trainer_placement(run: RunConfig, timeout_s: float = READY_TIMEOUT_S) -> Placement:

@@ -39,6 +39,7 @@ from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
 from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
 from megatron_rl.orchestration.engines import EngineGroup
+from megatron_rl.orchestration.placement import check_cpu_slots, local_ray_cpus
 from megatron_rl.orchestration.reaper import Reaper
 from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rewards.workers import RewardWorkers
@@ -268,7 +269,15 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     if not ray.is_initialized():
         # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
         # running on this machine (another run's, another user's) and fail on its auth token.
-        ray.init(address="auto" if os.environ.get("RAY_ADDRESS") else "local", include_dashboard=False)
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address="auto", include_dashboard=False)
+        else:
+            cores = os.cpu_count() or 1
+            slots = local_ray_cpus(run, cores)
+            if slots > cores:
+                print(f"ray: {slots} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
+            ray.init(address="local", include_dashboard=False, num_cpus=slots)
+    check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0))
     stop.install()  # over Ray's handler
     trainers = TrainerGroup(run, dataclasses.asdict(run))
     engines = EngineGroup(run, policy, run_dir)

@@ -109,3 +109,15 @@ def test_the_slurm_bootstrap_passes_model_path_as_the_checkpoint():
     assert 'overrides+=("model.hf_path=$MODEL_PATH")' in text
     for script in ("scalerl_moe.sh", "scalerl_dense.sh"):
         assert "MODEL_PATH=/ckpt/" in (ROOT / "slurm" / script).read_text()
+
+
+def test_a_cpu_run_with_more_processes_than_cores_gets_a_ray_slot_for_each_or_is_refused():
+    from megatron_rl.orchestration.placement import check_cpu_slots, cpu_processes, local_ray_cpus
+
+    moe = load_config("scalerl-cpu", "tiny_moe")  # EP 2: two trainer ranks and one engine
+    assert cpu_processes(moe) == 3
+    assert local_ray_cpus(moe, cores=2) == 3 and local_ray_cpus(moe, cores=16) == 16
+    check_cpu_slots(moe, 3.0)
+    with pytest.raises(ConfigError, match=r"starts 3 processes \(2 trainer ranks \+ 1 engine\(s\)\).*has 2"):
+        check_cpu_slots(moe, 2.0)  # an external Ray cluster that is too small: refused, not a silent wait
+    assert cpu_processes(load_config("scalerl", "qwen3_4b")) == 0  # GPU runs take GPU bundles
