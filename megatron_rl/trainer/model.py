@@ -122,9 +122,12 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
     # megatron-core allocates each one on torch.cuda.current_device().
     cpu_init = meta or not torch.cuda.is_available()
     te = cluster_transformer_engine(trainer) if meta else use_transformer_engine(trainer)
-    perf = performance_settings(trainer)
-    if meta:  # with the TE stand-in, the cluster's own switches (megatron validates them at construction)
-        perf = cluster_performance_settings(trainer) if _standin() else meta_performance_settings(trainer)
+    if not meta:
+        perf = performance_settings(trainer)
+    elif _standin():  # the GPU build check: the cluster's own switches (megatron validates them at construction)
+        perf = cluster_performance_settings(trainer)
+    else:
+        perf = meta_performance_settings(trainer)
     dispatcher = model.moe.token_dispatcher
     moe: dict[str, Any] = {}
     if model.is_moe:
