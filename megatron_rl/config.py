@@ -423,7 +423,26 @@ class AlgoConfig:
     nothing to train on: the policy has collapsed or the data is all too hard or too easy, and the run would
     otherwise sample forever without a step (ours; verl's DAPO stops the same way). 0 = never stop."""
 
+    routing_replay: Literal["none", "measure", "rollout"] = "none"
+    """MoE only (docs/recipe.md §8). rollout: the experts the generator chose for every token come back with the
+    completion and the trainer's forward and backward route by them (megatron-core's router replay; "R3");
+    measure: they come back and the trainer's own routing is compared with them (train/routing_agreement)
+    without replaying; none: no routing records."""
+    tis_cap: float | None = None
+    """Token-level truncated importance sampling for the generator/trainer mismatch: each token's policy
+    gradient is taken on the trainer's own distribution (ratio to its detached log-prob) and weighted by
+    min(pi_trainer / pi_generator, tis_cap), detached. null = off (the loss's ratio is to the generator, as
+    CISPO's truncated weight already is)."""
+    mismatch_mask: float | None = None
+    """Sequence-level masking: a completion whose geometric-mean ratio pi_trainer / pi_generator over its loss
+    tokens leaves [1 / mismatch_mask, mismatch_mask] is left out of the loss (counted in train/mismatch_masked).
+    null = off."""
+
     def __post_init__(self) -> None:
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            _fail("tis_cap", f"must be > 0 or null, got {self.tis_cap}")
+        if self.mismatch_mask is not None and self.mismatch_mask <= 1:
+            _fail("mismatch_mask", f"must be > 1 (bounds the geometric-mean ratio) or null, got {self.mismatch_mask}")
         if self.max_empty_batches < 0:
             _fail("max_empty_batches", f"must be >= 0, got {self.max_empty_batches}")
         low, high = LOSS_DEFAULT_EPS[self.loss]
@@ -804,6 +823,8 @@ class RunConfig:
             _fail("parallel.tp", f"must divide model.ffn_hidden_size={m.ffn_hidden_size}, got {p.tp}")
         if m.num_layers % p.pp:
             _fail("parallel.pp", f"must divide model.num_layers={m.num_layers}, got {p.pp}")
+        if self.algo.routing_replay != "none" and not m.is_moe:
+            _fail("algo.routing_replay", f"routing replay needs an MoE model; {m.name} is dense (set it to none)")
         if p.ep > 1 and not m.is_moe:
             _fail("parallel.ep", f"expert parallel needs an MoE model; {m.name} is dense")
         if p.etp is not None and not m.is_moe and p.etp != p.tp:

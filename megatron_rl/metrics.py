@@ -9,7 +9,11 @@ name, recipe, model and device kind.
 The per-step metrics of docs/recipe.md §2 are logged as `train/truncation_rate`, `train/mismatch` (mean |log
 pi_train - log pi_gen| on loss tokens), `train/clip_frac` (share of loss tokens whose ratio was truncated or
 clipped), `train/entropy`, `train/staleness_mean` / `_max`, `train/effective_groups`, `train/reward`,
-`train/response_length`.
+`train/response_length`, and for the generator/trainer mismatch `train/mismatch_kl` (the k3 estimate of
+KL(pi_gen || pi_train) per loss token) and `train/mismatch_masked` (sequences left out by `algo.mismatch_mask`).
+MoE runs with routing records add `train/routing_agreement` (share of routed tokens whose expert set the trainer
+chose as the generator did, all MoE layers), `train/routing_agreement_min` (the lowest layer's) and
+`train/routing_agreement/layerNN`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ CONSOLE_FIELDS = [
     ("train/grad_norm", "gnorm", "{:.3f}"),
     ("train/truncation_rate", "trunc", "{:.1%}"),
     ("train/mismatch", "|dlogp|", "{:.4f}"),
+    ("train/mismatch_kl", "kl", "{:.1e}"),
+    ("train/routing_agreement", "route", "{:.1%}"),
+    ("train/routing_agreement_min", "route-min", "{:.1%}"),
     ("train/staleness_mean", "stale", "{:.2f}"),
     ("train/effective_groups", "groups", "{:.0f}"),
     ("time/step_s", "s", "{:.1f}"),

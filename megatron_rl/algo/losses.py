@@ -17,10 +17,20 @@ terms with the aggregation weights (aggregation.py) and returns the scalar to mi
     dapo / grpo (token PPO clip): -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
     gspo:  s = exp(mean_t log rho_t) over the sequence's loss tokens (length-normalised);
            -min(s A, clip(s, 1 - eps_low, 1 + eps_high) A) on every token of the sequence
+
+Corrections for the generator/trainer mismatch (options of any loss, docs/recipe.md §8):
+
+    mismatch_mask = B: a sequence whose geometric-mean ratio exp(mean_t log rho_t) over its loss tokens is
+        outside [1/B, B] leaves the loss (all its tokens; counted in `masked_seqs`)
+    tis_cap = C (token-level truncated IS): the loss's ratio is taken to the trainer's own detached log-prob
+        (rho' = pi_train / sg(pi_train), value 1, gradient grad log pi), and each token's term is weighted by
+        w_t = sg(min(rho_t, C)): the policy gradient on the trainer's distribution, importance-weighted from
+        the generator's and truncated at C (tokens with rho_t > C count as clipped)
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +46,8 @@ class TokenTerms:
     """Per-token loss (negated objective), 0 where the mask is False."""
     clipped_T: Tensor
     """Per-token bool: ratio truncated (CISPO) or the clipped branch active (PPO-style)."""
+    masked_seqs: Tensor | None = None
+    """Sequences left out by `mismatch_mask` (a count)."""
 
 
 def _cispo(
@@ -51,6 +63,11 @@ def _cispo(
     weight_T = torch.clamp(rho_T, max=cfg.eps_max)  # stop-gradient: only scales grad log pi
     loss_T = -(weight_T * adv_T * logprobs_T)
     return TokenTerms(loss_T, rho_T > cfg.eps_max)
+
+
+def _per_sequence(values_T: Tensor, seq_index_T: Tensor, num_seqs: int) -> Tensor:
+    """Sum of each sequence's token values, [num_seqs]."""
+    return torch.zeros(num_seqs, dtype=values_T.dtype, device=values_T.device).index_add(0, seq_index_T, values_T)
 
 
 def _ppo_clip(ratio: Tensor, adv: Tensor, eps_low: float, eps_high: float) -> tuple[Tensor, Tensor]:
@@ -86,8 +103,8 @@ def _gspo(
 ) -> TokenTerms:
     assert cfg.eps_low is not None and cfg.eps_high is not None
     maskf_T = mask_T.to(logratio_T.dtype)
-    sum_S = torch.zeros(num_seqs, dtype=logratio_T.dtype).index_add(0, seq_index_T, logratio_T * maskf_T)
-    count_S = torch.zeros(num_seqs, dtype=logratio_T.dtype).index_add(0, seq_index_T, maskf_T)
+    sum_S = _per_sequence(logratio_T * maskf_T, seq_index_T, num_seqs)
+    count_S = _per_sequence(maskf_T, seq_index_T, num_seqs)
     seq_ratio_S = torch.exp(sum_S / count_S.clamp_min(1.0))
     loss_T, clipped_T = _ppo_clip(seq_ratio_S[seq_index_T], adv_T, cfg.eps_low, cfg.eps_high)
     return TokenTerms(loss_T, clipped_T)
@@ -116,10 +133,25 @@ def token_terms(
     if cfg.loss not in LOSSES:
         raise ValueError(f"algo.loss: {cfg.loss!r} is not one of {list(LOSSES)}")
     mask_T = mask_T.bool()
-    logratio_T = torch.where(mask_T, logprobs_T - gen_logprobs_T, torch.zeros_like(logprobs_T))
-    terms = LOSSES[cfg.loss](cfg, logratio_T, logprobs_T, advantages_T, mask_T, seq_index_T, num_seqs)
-    zero = torch.zeros_like(terms.loss_T)
-    return TokenTerms(torch.where(mask_T, terms.loss_T, zero), terms.clipped_T & mask_T)
+    zero_T = torch.zeros_like(logprobs_T)
+    logratio_T = torch.where(mask_T, logprobs_T - gen_logprobs_T, zero_T)
+    masked_seqs = None
+    if cfg.mismatch_mask is not None:
+        maskf_T = mask_T.to(logratio_T.dtype)
+        sum_S = _per_sequence(logratio_T.detach(), seq_index_T, num_seqs)
+        count_S = _per_sequence(maskf_T, seq_index_T, num_seqs)
+        outside_S = (sum_S / count_S.clamp_min(1.0)).abs() > math.log(cfg.mismatch_mask)
+        masked_seqs = (outside_S & (count_S > 0)).sum()
+        mask_T = mask_T & ~outside_S[seq_index_T]
+    if cfg.tis_cap is None:
+        terms = LOSSES[cfg.loss](cfg, logratio_T, logprobs_T, advantages_T, mask_T, seq_index_T, num_seqs)
+        loss_T, clipped_T = terms.loss_T, terms.clipped_T
+    else:
+        rho_T = torch.exp(logratio_T.detach())
+        own_T = torch.where(mask_T, logprobs_T - logprobs_T.detach(), zero_T)  # value 0, gradient grad log pi
+        terms = LOSSES[cfg.loss](cfg, own_T, logprobs_T, advantages_T, mask_T, seq_index_T, num_seqs)
+        loss_T, clipped_T = terms.loss_T * torch.clamp(rho_T, max=cfg.tis_cap), rho_T > cfg.tis_cap
+    return TokenTerms(torch.where(mask_T, loss_T, torch.zeros_like(loss_T)), clipped_T & mask_T, masked_seqs)
 
 
 def policy_loss(
@@ -135,8 +167,10 @@ def policy_loss(
     """The micro-batch's share of the aggregated loss, and metric sums to reduce across micro-batches.
 
     Returned sums (detached): `loss_tokens`, `clipped_tokens` (ratio truncated or clipped),
-    `abs_logratio_sum` (|log pi_train - log pi_gen|, the train/generate mismatch). Divide the reduced
-    sums by the reduced `loss_tokens` for per-token means.
+    `abs_logratio_sum` (|log pi_train - log pi_gen|, the train/generate mismatch), `kl_sum` (the k3 estimate
+    rho - 1 - log rho of KL(pi_gen || pi_train) per token, sampled from the generator), `masked_seqs`
+    (sequences left out by `mismatch_mask`). Divide the reduced sums by the reduced `loss_tokens` for
+    per-token means.
     """
     terms = token_terms(cfg, logprobs_T, gen_logprobs_T, advantages_T, mask_T, seq_index_T, num_seqs)
     loss = (weights_T * terms.loss_T).sum()
@@ -150,4 +184,9 @@ def policy_loss(
             .sum()
             .to(torch.float64),
         }
+        logratio_T = (logprobs_T - gen_logprobs_T).double()
+        k3_T = torch.expm1(logratio_T) - logratio_T
+        metrics["kl_sum"] = torch.where(mask_T, k3_T, torch.zeros_like(k3_T)).sum()
+        masked = terms.masked_seqs if terms.masked_seqs is not None else torch.zeros(())
+        metrics["masked_seqs"] = masked.to(torch.float64)
     return loss, metrics

@@ -7,7 +7,9 @@
 What the pipeline gets back per call (`interruption.Segment`): the sampled token ids, SGLang's per-token
 log-probs of the sampling distribution (log-softmax of logits / temperature, computed in fp32; top-p/top-k
 truncation is not folded in), the policy version of every token, and the finish reason (stop | length |
-abort). Versions come from SGLang itself: each answer carries `weight_versions`, spans of output tokens
+abort); with `routing` (MoE routing replay) also the experts SGLang chose at every layer for every token it ran
+(`return_routed_experts`, int32 ids base64-encoded by SGLang, kept as RoutingShape's compact ids).
+Versions come from SGLang itself: each answer carries `weight_versions`, spans of output tokens
 with the weight version that produced them. The server starts at version 0 and every weight update sets
 the trainer's step as the new version (generator/weight_sync.py), so a sequence that lived through in-flight
 updates says exactly which tokens came from which policy (PipelineRL). The model's own EOS always ends a
@@ -24,14 +26,18 @@ request on another engine.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import json
 from typing import Any, Literal
 
 import aiohttp
+import numpy as np
 
 from megatron_rl.config import SamplingConfig
 from megatron_rl.rollout.interruption import GenerateFn, Segment
+from megatron_rl.rollout.types import RoutingShape
 
 CLIENT_KEEPALIVE_S = 4.0
 """The client drops an idle connection after this, before any SGLang server (default 5 s) closes it. A
@@ -112,8 +118,11 @@ class SGLangClient:
         retry_backoff_s: float = 0.5,
         tp: int = 1,
         batch_max: int = 64,
+        routing: RoutingShape | None = None,
     ) -> None:
         self.url = url.rstrip("/")
+        self.routing = routing
+        """Ask for the routed experts of every request (the server runs with --enable-return-routed-experts)."""
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.connect_retries, self.retry_backoff_s = connect_retries, retry_backoff_s
         self.tp = tp
@@ -232,7 +241,7 @@ class SGLangClient:
             out = await future
         finally:
             self.outstanding -= 1
-        return self._segment(out)
+        return self._segment(out, len(input_ids))
 
     def _send_queued(self) -> None:
         queued, self._queued = self._queued, []
@@ -249,14 +258,14 @@ class SGLangClient:
         try:
             if len(batch) == 1:
                 ids, params, _ = batch[0]
-                answers = [
-                    await self.post("/generate", {"input_ids": ids, "sampling_params": params, "return_logprob": True})
-                ]
+                payload = {"input_ids": ids, "sampling_params": params, "return_logprob": True}
+                answers = [await self.post("/generate", payload | self._routing_flag())]
             else:
                 payload = {
                     "input_ids": [ids for ids, _, _ in batch],
                     "sampling_params": [params for _, params, _ in batch],
                     "return_logprob": True,
+                    **self._routing_flag(),
                 }
                 answers = await self.post("/generate", payload)
                 if not isinstance(answers, list) or len(answers) != len(batch):
@@ -274,7 +283,10 @@ class SGLangClient:
             if not future.done():
                 future.set_result(answer)
 
-    def _segment(self, out: Any) -> Segment:
+    def _routing_flag(self) -> dict[str, bool]:
+        return {"return_routed_experts": True} if self.routing is not None else {}
+
+    def _segment(self, out: Any, num_input: int) -> Segment:
         """SGLang's /generate answer as a Segment.
 
         Anything else (a proxy's error page, a truncated body, a field missing or of the wrong type) is
@@ -304,7 +316,33 @@ class SGLangClient:
         finish = meta.get("finish_reason")
         if not isinstance(finish, dict) or finish.get("type") not in _FINISH:
             raise self._malformed(f"meta_info.finish_reason {finish!r} is not one of {sorted(_FINISH)}", out)
-        return Segment(tokens, logprobs, self._versions(meta, len(tokens), out), _FINISH[finish["type"]])
+        routing = self._routing(meta, num_input + len(tokens) - 1, out) if self.routing is not None else None
+        return Segment(tokens, logprobs, self._versions(meta, len(tokens), out), _FINISH[finish["type"]], routing)
+
+    def _routing(self, meta: dict[str, Any], rows: int, out: Any) -> np.ndarray:
+        """meta_info.routed_experts (base64 of int32 [rows, layers, top-k]) as compact ids, checked against the
+        model's shape: a missing or short record is a malformed answer, never a silently unreplayed sequence."""
+        assert self.routing is not None
+        raw = meta.get("routed_experts")
+        if not isinstance(raw, str):
+            raise self._malformed(
+                "no meta_info.routed_experts (is the server running with --enable-return-routed-experts?)", out
+            )
+        try:
+            ids = np.frombuffer(base64.b64decode(raw, validate=True), dtype=np.int32)
+        except (binascii.Error, ValueError) as exc:
+            raise self._malformed(f"meta_info.routed_experts is not base64 int32 ({exc})", out) from exc
+        width = self.routing.layers * self.routing.topk
+        if ids.size % width:
+            raise self._malformed(
+                f"meta_info.routed_experts holds {ids.size} ids, not a multiple of layers x top-k = {width}", out
+            )
+        record = ids.reshape(-1, self.routing.layers, self.routing.topk)
+        try:
+            self.routing.check(record, rows, "/generate: meta_info.routed_experts")
+        except ValueError as exc:
+            raise EngineRequestError(self.url, str(exc), 200) from exc
+        return record.astype(self.routing.dtype)
 
     def _versions(self, meta: dict[str, Any], n: int, out: Any) -> list[int]:
         spans = meta.get("weight_versions")

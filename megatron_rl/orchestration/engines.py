@@ -39,6 +39,7 @@ from megatron_rl.generator.client import SGLangClient
 from megatron_rl.generator.server import SGLangServer
 from megatron_rl.generator.weight_sync import SyncError
 from megatron_rl.orchestration.placement import Placed, describe, engine_placement, locations, spawn
+from megatron_rl.rollout.types import RoutingShape
 
 
 class EngineHost(Placed):
@@ -86,6 +87,12 @@ class EngineGroup:
 
         self.run = run
         engine = run.rollout.engine
+        self.routing: RoutingShape | None = None
+        if run.algo.routing_replay != "none":  # MoE routing replay: every answer carries its routing record
+            moe = run.model.moe
+            assert moe.num_experts is not None
+            self.routing = RoutingShape(run.model.num_layers, moe.router_topk, moe.num_experts)
+            engine = dataclasses.replace(engine, extra_args=[*engine.extra_args, "--enable-return-routed-experts"])
         self.placement = engine_placement(run)
         self.hosts = spawn(EngineHost, self.placement)
         config, logs = dataclasses.asdict(engine), run_dir / "logs"
@@ -110,7 +117,7 @@ class EngineGroup:
 
     async def start(self) -> None:
         urls = await asyncio.gather(*(host.start.remote() for host in self.hosts))
-        self.clients = [SGLangClient(url, tp=self.run.rollout.engine.tp) for url in urls]
+        self.clients = [SGLangClient(url, tp=self.run.rollout.engine.tp, routing=self.routing) for url in urls]
         self.balancer = EngineBalancer(self.clients, self.run.rollout.sampling, self.run.rollout.max_retries)
         self.balancer.on_failure = self._on_failure
 

@@ -26,6 +26,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from megatron_rl.config import RolloutConfig
 
 
@@ -37,6 +39,9 @@ class Segment:
     logprobs: list[float]
     versions: list[int]
     finish: Literal["stop", "length", "abort"]
+    routing: np.ndarray | None = None
+    """The experts chosen for every token the engine ran: the request's input and its tokens but the last,
+    [len(input) + len(tokens) - 1, layers, top-k] (only when routing records are asked for)."""
 
 
 GenerateFn = Callable[[list[int], int, list[int]], Awaitable[Segment]]
@@ -52,8 +57,13 @@ class Generated:
     loss_mask: list[bool] = field(default_factory=list)
     finish_reason: Literal["stop", "length", "interrupted", "abort"] = "stop"
     thinking_budget: int = 0
+    routing: np.ndarray | None = None
+    """The last request's routing record: it covers the prompt and every token before (a later request runs
+    all earlier tokens again, or reuses their cached routing), [prompt + tokens - 1, layers, top-k]."""
 
     def extend(self, segment: Segment) -> None:
+        if segment.routing is not None:
+            self.routing = segment.routing
         self.tokens += segment.tokens
         self.logprobs += segment.logprobs
         self.versions += segment.versions
@@ -127,4 +137,6 @@ async def generate_completion(
 
 def _head(segment: Segment, n: int, finish: Literal["stop", "length", "abort"]) -> Segment:
     """The first `n` tokens of `segment` as if the engine had stopped there."""
-    return Segment(segment.tokens[:n], segment.logprobs[:n], segment.versions[:n], finish)
+    cut = len(segment.tokens) - n  # the routing record loses the rows of the tokens cut off
+    routing = segment.routing[: len(segment.routing) - cut] if segment.routing is not None else None
+    return Segment(segment.tokens[:n], segment.logprobs[:n], segment.versions[:n], finish, routing)

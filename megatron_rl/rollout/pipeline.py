@@ -294,6 +294,7 @@ class RolloutPipeline:
             finish_reason=out.finish_reason,
             reward=reward,
             reward_info={"failure": result.failure} if result.failure else {},
+            routed_experts=out.routing,
         )
         return completion, result.passed, result.failure or ""
 

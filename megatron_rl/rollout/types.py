@@ -6,7 +6,8 @@ a list of `Group`s into packed token tensors. Nothing else travels between them,
 feature adds a field here only when the trainer needs it per token or per sequence.
 
 Per-token lists (`tokens`, `gen_logprobs`, `versions`, `loss_mask`) all have the completion's length;
-prompt tokens carry none of them (they are never trained on).
+prompt tokens carry none of them (they are never trained on). The one record over prompt and completion is
+an MoE run's `routed_experts` (routing replay): the experts the generator chose for every token it ran.
 """
 
 from __future__ import annotations
@@ -14,9 +15,42 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 FinishReason = Literal["stop", "length", "interrupted", "abort"]
 """stop: EOS or stop string; length: hit the answer budget (truncated); interrupted: thinking budget
 reached, the end-of-thinking phrase injected, then stopped normally; abort: the engine gave up."""
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    """What a routing record of the model looks like: [tokens, layers, top-k] expert ids in [0, experts)."""
+
+    layers: int
+    topk: int
+    experts: int
+
+    @property
+    def dtype(self) -> type[np.integer]:
+        """The compact id type: one byte per choice up to 256 experts (Scout 16, Qwen3-30B-A3B 128)."""
+        return np.uint8 if self.experts <= 256 else np.int16
+
+    def bytes_per_token(self) -> int:
+        return self.layers * self.topk * np.dtype(self.dtype).itemsize
+
+    def check(self, record: np.ndarray, rows: int, what: str) -> None:
+        """Raise ValueError naming `what` unless `record` is [rows, layers, topk] with ids in range."""
+        expected = (rows, self.layers, self.topk)
+        if record.shape != expected:
+            raise ValueError(
+                f"{what}: routing record of shape {list(record.shape)}, expected [tokens={rows}, "
+                f"layers={self.layers}, top-k={self.topk}]"
+            )
+        if record.size and (int(record.min()) < 0 or int(record.max()) >= self.experts):
+            raise ValueError(
+                f"{what}: routing record holds expert ids in [{int(record.min())}, {int(record.max())}], "
+                f"the model has {self.experts} experts"
+            )
 
 
 @dataclass
@@ -36,9 +70,18 @@ class Completion:
     reward: float = 0.0
     reward_info: dict[str, str] = field(default_factory=dict)
     """Why the reward is what it is (e.g. {"failure": "timeout"}); counted in metrics, not trained on."""
+    routed_experts: np.ndarray | None = None
+    """MoE runs with `algo.routing_replay`: the experts the generator chose at every layer for every token it ran
+    forward (the prompt and all completion tokens but the last), [len(prompt_tokens) + len(tokens) - 1, layers,
+    top-k], compact ids (RoutingShape.dtype)."""
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
+        if self.routed_experts is not None and len(self.routed_experts) != len(self.prompt_tokens) + n - 1:
+            raise ValueError(
+                f"completion of prompt {self.prompt_id}: routing record of {len(self.routed_experts)} tokens for "
+                f"{len(self.prompt_tokens)} prompt + {n} completion tokens (expected all but the last)"
+            )
         if not (len(self.gen_logprobs) == len(self.versions) == len(self.loss_mask) == n):
             raise ValueError(
                 f"completion of prompt {self.prompt_id}: per-token lists differ in length (tokens {n}, "

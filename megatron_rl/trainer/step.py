@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -36,7 +37,7 @@ from megatron_rl.algo.advantages import group_advantages
 from megatron_rl.algo.aggregation import sequence_weights
 from megatron_rl.algo.losses import policy_loss
 from megatron_rl.config import RunConfig
-from megatron_rl.rollout.types import Group
+from megatron_rl.rollout.types import Group, RoutingShape
 from megatron_rl.trainer import cpu_compat
 from megatron_rl.trainer.distributed import RankInfo, init_distributed
 from megatron_rl.trainer.logprobs import token_logprobs
@@ -59,6 +60,8 @@ class Sequence:
     """The aggregation weight of each of its loss tokens (aggregation.py)."""
     index: int = 0
     """Position in the batch (to return per-sequence results in order)."""
+    routing: np.ndarray | None = None
+    """The generator's experts for all tokens but the last, [len(tokens) - 1, layers, top-k] (routing replay)."""
 
     @property
     def num_completion(self) -> int:
@@ -78,6 +81,8 @@ class MicroBatch:
     pad_multiple: int = 1
     chunk_size: int | None = None
     """Llama-4 chunked attention: cut the RoPE layers' attention every `chunk_size` tokens of a sequence."""
+    routing_shape: RoutingShape | None = None
+    """Routing replay: build `routing_TLK` and `routing_valid_T` from the sequences' records."""
     input_ids: Tensor = field(init=False)
     position_ids: Tensor = field(init=False)
     lengths: list[int] = field(init=False)
@@ -107,6 +112,22 @@ class MicroBatch:
         self.hidden_index_T = torch.tensor(hidden_index, dtype=torch.long)
         self.targets_T = torch.tensor(targets, dtype=torch.long)
         self.seq_index_T = torch.tensor(seq_index, dtype=torch.long)
+        if self.routing_shape is not None:
+            self.routing_TLK, self.routing_valid_T = self._routing(self.routing_shape)
+
+    def _routing(self, shape: RoutingShape) -> tuple[Tensor, Tensor]:
+        """The row's routing targets [tokens, layers, top-k] and which tokens the generator really routed: each
+        sequence's record, then placeholder experts 0..k-1 for its last token, the padding and filler rows."""
+        routing = np.empty((self.num_tokens, shape.layers, shape.topk), dtype=shape.dtype)
+        routing[:] = np.arange(shape.topk, dtype=shape.dtype)
+        valid = np.zeros(self.num_tokens, dtype=bool)
+        offset = 0
+        for seq in self.sequences:
+            if seq.routing is not None:
+                routing[offset : offset + len(seq.routing)] = seq.routing
+                valid[offset : offset + len(seq.routing)] = True
+            offset += len(seq.tokens)
+        return torch.from_numpy(routing), torch.from_numpy(valid)
 
     @property
     def num_tokens(self) -> int:
@@ -148,6 +169,7 @@ def sequences_from_groups(groups: list[Group], run: RunConfig) -> list[Sequence]
             advantage=float(advantages_S[i]),
             weight=float(weights_S[i]),
             index=i,
+            routing=c.routed_experts,
         )
         for i, (_, c) in enumerate(completions)
     ]
@@ -196,7 +218,7 @@ class StepSums:
     all-reduce together with the ranks' non-finite gradient counts (the vote that skips a step). The sums stay
     on the device until then: no host sync per micro-batch."""
 
-    NAMES = ("loss", "loss_tokens", "clipped_tokens", "abs_logratio", "entropy")
+    NAMES = ("loss", "loss_tokens", "clipped_tokens", "abs_logratio", "entropy", "kl", "masked_seqs")
 
     def __init__(self) -> None:
         self.values: dict[str, Tensor] = {}
@@ -267,6 +289,17 @@ class Trainer:
             [self.ddp],
         )
         cpu_compat.apply()
+        self.routing_shape: RoutingShape | None = None
+        self.replays: list[Any] = []
+        if run.algo.routing_replay != "none":  # MoE routing replay: the generator's experts (routing.py)
+            from megatron_rl.trainer import routing
+
+            moe = run.model.moe
+            assert moe.num_experts is not None
+            self.routing_shape = RoutingShape(run.model.num_layers, moe.router_topk, moe.num_experts)
+            self.replays = routing.install(self.model, replay=run.algo.routing_replay == "rollout")
+        self.last_routing_agreement: dict[str, float] = {}
+        """The routing agreement of the last compute_logprobs (routing replay)."""
         self.step = 0
         """Optimizer steps taken (successful ones): the policy version of the current weights."""
         self.skipped_steps = 0
@@ -297,6 +330,12 @@ class Trainer:
         from megatron.core import parallel_state
 
         budget, multiple = self.run.trainer.micro_batch_tokens, self.run.parallel.pad_multiple
+        if self.routing_shape is not None:  # same batch on every rank: all raise here, before any collective
+            for seq in sequences:
+                what = f"algo.routing_replay={self.run.algo.routing_replay}: completion {seq.index} of the batch"
+                if seq.routing is None:
+                    raise ValueError(f"{what} has no routing record (the generator returned none)")
+                self.routing_shape.check(seq.routing, len(seq.tokens) - 1, what)
         longest = max(sequences, key=lambda s: len(s.tokens))
         if -(-len(longest.tokens) // multiple) * multiple > budget:  # same batch on every rank: all raise here
             raise ValueError(
@@ -313,7 +352,7 @@ class Trainer:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         rows += [[_filler()] for _ in range(int(count.item()) - len(rows))]
         chunk = self.run.model.attention_chunk_size
-        return [MicroBatch(row, multiple, chunk) for row in rows]
+        return [MicroBatch(row, multiple, chunk, self.routing_shape) for row in rows]
 
     def _forward(self, model: Any, micro_batch: MicroBatch, record: dict[str, Any]) -> Tensor:
         from megatron.core import parallel_state, tensor_parallel
@@ -337,6 +376,12 @@ class Trainer:
             return logprobs_T
 
         device = self.info.device
+        if self.replays:
+            from megatron_rl.trainer import routing
+
+            sp = self.model.config.sequence_parallel
+            shard = (parallel_state.get_tensor_model_parallel_rank(), self.run.parallel.tp) if sp else (0, 1)
+            routing.set_targets(self.replays, micro_batch.routing_TLK, micro_batch.routing_valid_T, shard)
         return model(
             micro_batch.input_ids.to(device),
             micro_batch.position_ids.to(device),
@@ -396,6 +441,8 @@ class Trainer:
                 clipped_tokens=stats["clipped_tokens"],
                 abs_logratio=stats["abs_logratio_sum"],
                 entropy=record["entropy"][mask_T].double().sum(),
+                kl=stats["kl_sum"],
+                masked_seqs=stats["masked_seqs"],
             )
             return loss, torch.tensor(int(mask_T.sum()), dtype=torch.int), {"loss": loss.detach()}
 
@@ -403,7 +450,9 @@ class Trainer:
             group["lr"] = self._learning_rate()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._reset_routing()
         self._run_schedule(micro_batches, forward_only=False, loss_fn=loss_fn)
+        agreement = self._routing_agreement()
 
         # The loss and metric sums live on the last pipeline stage of each data-parallel rank (TP rank 0 counts
         # them once); every rank votes on its own gradients. One all-reduce sums both over the trainer.
@@ -430,6 +479,8 @@ class Trainer:
             "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "train/entropy": totals["entropy"] / loss_tokens,
             "train/mismatch": totals["abs_logratio"] / loss_tokens,
+            "train/mismatch_kl": totals["kl"] / loss_tokens,
+            "train/mismatch_masked": totals["masked_seqs"],
             "train/clip_frac": totals["clipped_tokens"] / loss_tokens,
             "train/lr": lr,
             "train/skipped_steps": float(self.skipped_steps),
@@ -440,10 +491,44 @@ class Trainer:
             "train/tokens_per_s": tokens / elapsed,
             "train/tflops_per_device": flops / elapsed / self.info.world_size / 1e12,
         }
+        metrics.update(agreement)
         peak = _peak_flops()
         if peak:
             metrics["train/mfu"] = flops / elapsed / self.info.world_size / peak
         return metrics
+
+    def _reset_routing(self) -> None:
+        if self.replays:
+            from megatron_rl.trainer import routing
+
+            routing.reset(self.replays)
+
+    def _routing_agreement(self) -> dict[str, float]:
+        """train/routing_agreement (all routed tokens of all MoE layers) and per layer, from the forwards since
+        the last reset: each token counted once (on every sequence-parallel shard, on TP rank 0 without SP)."""
+        if self.routing_shape is None:
+            return {}
+        from megatron.core import parallel_state
+
+        from megatron_rl.trainer import routing
+
+        distinct = self.model.config.sequence_parallel or parallel_state.get_tensor_model_parallel_rank() == 0
+        sums = routing.agreement_sums(self.replays, self.routing_shape.layers, self.info.device)
+        if not distinct:
+            sums.zero_()
+        if dist.get_world_size() > 1:
+            dist.all_reduce(sums)
+        matched, counted = sums.cpu().tolist()
+        routing.reset(self.replays)
+        layers = [i for i, n in enumerate(counted) if n > 0]
+        if not layers:
+            return {}
+        per_layer = {f"train/routing_agreement/layer{i:02d}": matched[i] / counted[i] for i in layers}
+        return {
+            "train/routing_agreement": sum(matched[i] for i in layers) / sum(counted[i] for i in layers),
+            "train/routing_agreement_min": min(per_layer.values()),
+            **per_layer,
+        }
 
     def _last_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -477,10 +562,12 @@ class Trainer:
             return logprobs_T.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
         self.ddp.eval()
+        self._reset_routing()
         try:
             self._run_schedule(micro_batches, forward_only=True, loss_fn=collect)
         finally:
             self.ddp.train()
+        self.last_routing_agreement = self._routing_agreement()
         if dist.get_world_size() > 1:
             gathered: list[dict[int, list[float]]] = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(gathered, results)

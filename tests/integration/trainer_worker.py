@@ -3,7 +3,8 @@
     python tests/integration/trainer_worker.py SPEC_JSON
 
 SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
-       "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, "push": bool, ...}.
+       "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, "push": bool,
+       "routing": seed of random generator routing records (MoE), ...}.
 Every rank writes its results to `out.rank<r>`: log-probs of a fixed batch before training, its packed rows,
 then the loss and grad norm of each step; on request ("grads", "record_collectives", "record_checkpoints")
 the last step's gradients, what each collective received, and megatron's activation checkpoints per phase;
@@ -34,6 +35,21 @@ def fixed_batch(
     from megatron_rl.rollout.types import random_groups
 
     return random_groups(seed, prompts, group, vocab, tuple(prompt_len), tuple(completion_len), masked_index=1)
+
+
+def attach_random_routing(batch: list, model: Any, seed: int) -> None:
+    """Give every completion a generator routing record of distinct random experts per token and layer."""
+    import numpy as np
+
+    from megatron_rl.rollout.types import RoutingShape
+
+    shape = RoutingShape(model.num_layers, model.moe.router_topk, model.moe.num_experts)
+    rng = np.random.default_rng(seed)
+    for group in batch:
+        for c in group.completions:
+            rows = len(c.prompt_tokens) + len(c.tokens) - 1
+            draws = rng.random((rows, shape.layers, shape.experts))
+            c.routed_experts = np.argsort(draws, axis=-1)[..., : shape.topk].astype(shape.dtype)
 
 
 COLLECTIVES = (
@@ -179,6 +195,8 @@ def main(spec: dict) -> None:
     if spec.get("load"):
         load_checkpoint(trainer, spec["load"], model_only=spec.get("model_only", False))
     batch = fixed_batch(vocab=run.model.vocab_size, **spec.get("batch", {}))
+    if spec.get("routing") is not None:  # MoE: random generator routing records (seed) on every completion
+        attach_random_routing(batch, run.model, spec["routing"])
     if spec.get("dump_batch") and torch.distributed.get_rank() == 0:
         torch.save(batch, spec["dump_batch"])
     push = None
@@ -196,6 +214,7 @@ def main(spec: dict) -> None:
             "rounded": all(torch.equal(pushed[n], everywhere[n].to(torch.bfloat16)) for n in pushed),
         }
     result: dict = {"logprobs": trainer.compute_logprobs(batch), "steps": [], "checkpoints": [], "push": push}
+    result["routing_agreement"] = getattr(trainer, "last_routing_agreement", {})
     if checkpoints is not None:  # [log-probs, step 1, ...]: {"forward"/"backward": {checkpointed by: count}}
         result["checkpoints"].append(_take(checkpoints))
     micro_batches = trainer._micro_batches(sequences_from_groups(batch, run))
@@ -219,6 +238,7 @@ def main(spec: dict) -> None:
             poison.remove()
         keys = ("train/loss", "train/grad_norm", "train/mismatch", "train/skipped_steps", "train/lr")
         result["steps"].append({k: metrics[k] for k in keys})
+        result.setdefault("step_metrics", []).append(metrics)
         result.setdefault("versions", []).append(trainer.step)
         result.setdefault("weights", []).append(
             float(sum(p.detach().double().abs().sum() for p in trainer.model.parameters()))

@@ -46,6 +46,17 @@ was computed with the old weights), so the engine sat paused ~0.4 s per step, a 
 What: `CpuDeviceMixin.empty_cache` collects the young generations only (`gc.collect(1)`, well under a
 millisecond). There is no device cache to release on CPU; cyclic garbage is still collected by Python's
 automatic collector as usual. The prefix cache itself is dropped exactly as before.
+
+4. No CUDA host registration of host buffers on CPU.
+
+Why: SGLang's routed-experts capturer (`--enable-return-routed-experts`, the generator's side of rollout
+routing replay) allocates its host cache through `alloc_with_host_register(..., pin_memory=True)`, which calls
+`torch.cuda.cudart().cudaHostRegister`: under CPU torch that raises "Torch not compiled with CUDA enabled"
+and the scheduler dies at start-up.
+
+What: `sglang.srt.mem_cache.pool_host.common._cuda_host_register` does nothing on CPU. Page-locking host
+memory exists only to speed device copies; without a device the buffer is ordinary host memory, exactly as
+allocated. Nothing else of the allocation changes.
 """
 
 from __future__ import annotations
@@ -236,7 +247,19 @@ def _patch_cpu_platform(module: types.ModuleType) -> None:
         mixin.empty_cache = empty_cache
 
 
-PATCHES = {TORCH_NATIVE: _patch_torch_native, "sglang.srt.platforms.cpu": _patch_cpu_platform}
+def _no_host_register(buffer, granularity_bytes=None) -> None:  # type: ignore[no-untyped-def]
+    """No page-locking on CPU: there is no device to copy to."""
+
+
+def _patch_host_pools(module: types.ModuleType) -> None:
+    module._cuda_host_register = _no_host_register
+
+
+PATCHES = {
+    TORCH_NATIVE: _patch_torch_native,
+    "sglang.srt.platforms.cpu": _patch_cpu_platform,
+    "sglang.srt.mem_cache.pool_host.common": _patch_host_pools,
+}
 """Module -> the patch applied right after SGLang's module is executed (CPU only)."""
 
 
