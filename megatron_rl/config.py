@@ -424,7 +424,7 @@ class AlgoConfig:
     otherwise sample forever without a step (ours; verl's DAPO stops the same way). 0 = never stop."""
 
     routing_replay: Literal["none", "measure", "rollout"] = "none"
-    """MoE only (docs/recipe.md §8). rollout: the experts the generator chose for every token come back with the
+    """MoE only (docs/recipe.md §9). rollout: the experts the generator chose for every token come back with the
     completion and the trainer's forward and backward route by them (megatron-core's router replay; "R3");
     measure: they come back and the trainer's own routing is compared with them (train/routing_agreement)
     without replaying; none: no routing records."""

@@ -418,12 +418,53 @@ def in_flight_sequences(run: RunConfig) -> int:
 
 
 @dataclass
+class RoutingMemory:
+    """Routing replay's records (algo.routing_replay, docs/recipe.md §9): what they cost where they live."""
+
+    per_token: int
+    """Bytes per token of a record as it travels (layers x top-k compact ids; rollout/types.py RoutingShape)."""
+    batch: float
+    """A step's records at most (every completion at its longest): sent by the driver to, and held by, each
+    trainer rank on the host for the step."""
+    engine_host: float
+    """SGLang's host cache of records, int32 per KV-pool token (state_capturer/routed_experts.py)."""
+    engine_device: float
+    """SGLang's device buffer of one forward's records, int32 per token of a prefill chunk."""
+    trainer_device: float
+    """The trainer's transient per MoE layer: one row's targets and own top-k as int64 [local tokens, top-k]."""
+
+
+def routing_memory(run: RunConfig, engine: EngineMemory | None) -> RoutingMemory | None:
+    if run.algo.routing_replay == "none" or not run.model.is_moe:
+        return None
+    m, r = run.model, run.rollout
+    topk = m.moe.router_topk
+    per_token = m.num_layers * topk * (1 if (m.moe.num_experts or 0) <= 256 else 2)
+    batch = float(per_token * r.prompts_per_step * r.generations_per_prompt * r.context_length)
+    pool_tokens = int(max(engine.pool, 0.0) // engine.kv_per_token) if engine is not None else 0
+    chunk = SGLANG_CHUNKED_PREFILL_TOKENS
+    local = run.trainer.micro_batch_tokens // (run.parallel.tp if run.parallel.sequence_parallel else 1)
+    return RoutingMemory(
+        per_token=per_token,
+        batch=batch,
+        engine_host=4.0 * pool_tokens * m.num_layers * topk,
+        engine_device=4.0 * chunk * m.num_layers * topk,
+        trainer_device=2 * 8.0 * local * topk,
+    )
+
+
+SGLANG_CHUNKED_PREFILL_TOKENS = 8192
+"""SGLang 0.5.23's default --chunked-prefill-size on a large GPU: the routed-experts capturer's device rows."""
+
+
+@dataclass
 class Plan:
     run: RunConfig
     device: float
     ranks: list[RankMemory]
     engine: EngineMemory | None
     push: PushMemory
+    routing: RoutingMemory | None = None
     problems: list[str] = field(default_factory=list)
     suggestions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
@@ -493,7 +534,7 @@ def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
     ranks = [rank_memory(run, s, params, push) for s, params in enumerate(stages)]
     total_params = _total_parameters(run, stages)
     engine = engine_memory(run, total_params, device)
-    plan = Plan(run, device, ranks, engine, push)
+    plan = Plan(run, device, ranks, engine, push, routing_memory(run, engine))
     for rank in ranks:
         if rank.total > device:
             transient = (
@@ -608,6 +649,13 @@ def format_plan(plan: Plan) -> str:
             f"(mem_fraction {engine.mem_fraction}): {e.fitting} of the {e.in_flight} sequences in flight per "
             f"engine fit at {e.longest} tokens each (room for {e.pool_sequences}); request table "
             f"{e.request_table / GIB:.2f} GiB ({e.requests} slots x context {e.context})"
+        )
+    if plan.routing is not None:
+        rt = plan.routing
+        lines.append(
+            f"routing replay: {rt.per_token} B per token; a step's records at most {rt.batch / GIB:.2f} GiB on each "
+            f"trainer rank's host; engine host cache {rt.engine_host / GIB:.2f} GiB, device "
+            f"{rt.engine_device / 2**20:.0f} MiB; trainer device {rt.trainer_device / 2**20:.1f} MiB per MoE layer"
         )
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:

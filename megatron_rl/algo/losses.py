@@ -18,7 +18,7 @@ terms with the aggregation weights (aggregation.py) and returns the scalar to mi
     gspo:  s = exp(mean_t log rho_t) over the sequence's loss tokens (length-normalised);
            -min(s A, clip(s, 1 - eps_low, 1 + eps_high) A) on every token of the sequence
 
-Corrections for the generator/trainer mismatch (options of any loss, docs/recipe.md §8):
+Corrections for the generator/trainer mismatch (options of any loss, docs/recipe.md §9):
 
     mismatch_mask = B: a sequence whose geometric-mean ratio exp(mean_t log rho_t) over its loss tokens is
         outside [1/B, B] leaves the loss (all its tokens; counted in `masked_seqs`)

@@ -1,4 +1,4 @@
-"""Rollout routing replay for MoE policies on megatron-core's router hook (docs/recipe.md §8).
+"""Rollout routing replay for MoE policies on megatron-core's router hook (docs/recipe.md §9).
 
     replays = install(model, replay=True)        # one RolloutReplay per local MoE router (algo.routing_replay)
     set_targets(replays, micro_batch, sp_rank)   # before each micro-batch's forward: the generator's choices

@@ -3,7 +3,7 @@
 One short PipelineRL-2 run (and a PPO-off-policy-2 run) through `megatron-rl train`, then checks on its
 metrics file and checkpoint; a second invocation resumes from the checkpoint at the next step. The tiny
 Qwen3-MoE goes through the same loop at its own layout (EP 2: two trainer ranks and an engine, three processes
-on a two-core machine).
+on a two-core machine) with rollout routing replay.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def test_ppo_off_policy_run(tmp_path):
 def test_an_moe_policy_goes_through_the_loop_at_ep2(tmp_path):
     import yaml
 
-    rows = _train(tmp_path, "moe", ["total_steps=4", "rollout.k=2"], model="tiny_moe")
+    rows = _train(tmp_path, "moe", ["total_steps=4", "rollout.k=2", "algo.routing_replay=rollout"], model="tiny_moe")
     parallel = yaml.safe_load((tmp_path / "moe" / "config.yaml").read_text())["parallel"]
     assert (parallel["ep"], parallel["trainer_devices"]) == (2, 2)
     steps = [r for r in rows if "train/loss" in r]
@@ -106,4 +106,8 @@ def test_an_moe_policy_goes_through_the_loop_at_ep2(tmp_path):
     assert all(r["train/skipped_steps"] == 0 and r["sync/bytes"] > 0 for r in steps)  # pushed from EP 2 each step
     # SGLang's MoE and the trainer's route the same fp32 model: the first, on-policy step agrees
     assert steps[0]["train/mismatch"] < 1e-3
+    # every completion came back with its routing record, and the trainer replayed it: the trainer's own router
+    # agrees with SGLang's on the on-policy step (fp32 both sides); later steps add the policy change of stale tokens
+    assert steps[0]["train/routing_agreement"] > 0.99
+    assert all(0.5 < r["train/routing_agreement_min"] <= 1 and "train/routing_agreement/layer01" in r for r in steps)
     assert [r for r in rows if "val/pass_rate" in r]

@@ -49,20 +49,28 @@ def _reference_objective(cfg, weight, feats, tokens, gen_shift, mask, seq_adv, l
     for s, (start, n) in enumerate(zip(starts, lengths, strict=False)):
         A = float(seq_adv[s])
         toks = [start + t for t in range(n) if bool(mask[start + t])]
+        # tis_cap: the loss's ratio is to the trainer's own detached log-prob, the token weighted by min(rho, C)
+        behaviour = [lp_all[t].detach().item() if cfg.tis_cap else gen_lp[t] for t in range(len(gen_lp))]
+        tis = {t: min(math.exp(lp_all[t].item() - gen_lp[t]), cfg.tis_cap or math.inf) for t in toks}
+        weight = {t: tis[t] if cfg.tis_cap else 1.0 for t in toks}
+        if cfg.mismatch_mask and toks:  # the sequence's geometric-mean ratio to the generator, out of bounds
+            geo = math.exp(sum(lp_all[t].item() - gen_lp[t] for t in toks) / len(toks))
+            if not 1 / cfg.mismatch_mask <= geo <= cfg.mismatch_mask:
+                weight = dict.fromkeys(toks, 0.0)  # out of the loss; the aggregation still counts its tokens
         if cfg.loss == "gspo":
-            mean_lr = sum(lp_all[t] - gen_lp[t] for t in toks) / max(len(toks), 1)
+            mean_lr = sum(lp_all[t] - behaviour[t] for t in toks) / max(len(toks), 1)
             s_i = torch.exp(mean_lr) if toks else torch.tensor(1.0, dtype=torch.float64)
             clipped = torch.clamp(s_i, 1 - cfg.eps_low, 1 + cfg.eps_high)
             obj = torch.minimum(s_i * A, clipped * A)
-            per_seq.append((prompts[s], [obj for _ in toks]))
+            per_seq.append((prompts[s], [weight[t] * obj for t in toks]))
             continue
         objs = []
         for t in toks:
-            rho = torch.exp(lp_all[t] - gen_lp[t])
+            rho = torch.exp(lp_all[t] - behaviour[t])
             if cfg.loss == "cispo":
-                objs.append(min(rho.detach().item(), cfg.eps_max) * A * lp_all[t])
+                objs.append(weight[t] * min(rho.detach().item(), cfg.eps_max) * A * lp_all[t])
             else:
-                objs.append(torch.minimum(rho * A, torch.clamp(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * A))
+                objs.append(weight[t] * torch.minimum(rho * A, torch.clamp(rho, 1 - cfg.eps_low, 1 + cfg.eps_high) * A))
         per_seq.append((prompts[s], objs))
     by_prompt = {}
     for p, objs in per_seq:
@@ -94,14 +102,21 @@ PROMPTS = [0, 0, 0, 1, 1, 1]
 
 @pytest.mark.parametrize("loss", ["cispo", "gspo", "dapo", "grpo"])
 @pytest.mark.parametrize("aggregation", ["prompt", "sample", "token"])
-def test_loss_and_gradient_match_the_loop_reference(loss, aggregation):
-    cfg = AlgoConfig(loss=loss, aggregation=aggregation, eps_max=1.5)
+@pytest.mark.parametrize(
+    "correction",
+    [{}, {"tis_cap": 1.3}, {"mismatch_mask": 1.2}, {"tis_cap": 2.0, "mismatch_mask": 1.3}],
+    ids=["plain", "tis", "seq_mask", "tis_and_mask"],
+)
+def test_loss_and_gradient_match_the_loop_reference(loss, aggregation, correction):
+    cfg = AlgoConfig(loss=loss, aggregation=aggregation, eps_max=1.5, **correction)
     if loss == "gspo":  # widen so both branches occur at these random ratios
         cfg.eps_low, cfg.eps_high = 0.1, 0.1
     weight, gen = _policy(1)
     feats, tokens, gen_shift, mask, seq_adv, seq_index = _batch(gen, LENGTHS, PROMPTS)
 
-    loss_value, _ = _library_loss(cfg, weight, feats, tokens, gen_shift, mask, seq_adv, seq_index, LENGTHS, PROMPTS)
+    loss_value, stats = _library_loss(cfg, weight, feats, tokens, gen_shift, mask, seq_adv, seq_index, LENGTHS, PROMPTS)
+    if "mismatch_mask" in correction:  # both kept and masked sequences at these ratios
+        assert 0 < float(stats["masked_seqs"]) < len(LENGTHS), float(stats["masked_seqs"])
     (grad_lib,) = torch.autograd.grad(loss_value, weight)
     ref = -_reference_objective(cfg, weight, feats, tokens, gen_shift, mask, seq_adv, LENGTHS, PROMPTS)
     (grad_ref,) = torch.autograd.grad(ref, weight)
@@ -193,6 +208,31 @@ def test_masked_tokens_contribute_nothing():
     loss.backward()
     assert lp.grad[1] == 0 and float(loss) == pytest.approx(1.0)
     assert metrics["loss_tokens"] == 1 and metrics["clipped_tokens"] == 0 and metrics["abs_logratio_sum"] == 0
+
+
+def test_mismatch_kl_is_the_k3_estimate_on_loss_tokens():
+    """KL(pi_gen || pi_train) estimated from generator samples: sum of rho - 1 - log rho over loss tokens."""
+    lp = torch.tensor([-1.0, -2.0, -0.3, -4.0])
+    gen = torch.tensor([-1.5, -1.0, -0.3, -1.0])
+    mask = torch.tensor([True, True, True, False])
+    _, metrics = policy_loss(
+        AlgoConfig(), lp, gen, torch.ones(4), mask, torch.zeros(4, dtype=torch.long), 1, torch.ones(4)
+    )
+    expected = sum(math.exp(d) - 1 - d for d in (0.5, -1.0, 0.0))
+    assert float(metrics["kl_sum"]) == pytest.approx(expected, rel=1e-12)
+
+
+def test_tis_hand_numbers():
+    """tis_cap=2: every token's gradient is -min(rho, 2) * A * grad log pi, for a PPO-clip loss too (its ratio
+    to the trainer's own log-prob is 1: no clipping)."""
+    lp = torch.tensor([-1.0, -1.0, -1.0], requires_grad=True)
+    gen = torch.tensor([-1.0 - math.log(3.0), -1.0 + math.log(2.0), -1.0])  # rho 3 (truncated at 2), 0.5, 1
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    cfg = AlgoConfig(loss="dapo", tis_cap=2.0)
+    terms = token_terms(cfg, lp, gen, adv, torch.ones(3, dtype=torch.bool), torch.zeros(3, dtype=torch.long), 1)
+    assert terms.clipped_T.tolist() == [True, False, False]
+    terms.loss_T.sum().backward()
+    assert torch.allclose(lp.grad, torch.tensor([-2.0, 0.5, -2.0]), atol=1e-6)
 
 
 def test_metrics_count_clipped_tokens_and_mismatch():

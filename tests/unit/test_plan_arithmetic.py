@@ -95,3 +95,21 @@ def test_a_kv_pool_short_of_the_sequences_in_flight_is_a_warning_with_the_counts
     assert "(pipeline, k=8: 2 x 48 prompts x 16 generations over 64 engines); SGLang queues the rest" in warning
     roomy = EngineMemory(15 * GIB, 131072.0, 26 * per_sequence, 16384, 24, context=16448)
     assert kv_warnings(run, roomy) == [] and roomy.fitting == 24
+
+
+def test_routing_records_cost_layers_times_topk_bytes_per_token():
+    """Routing replay's records at the shipped MoE layouts, from the models' shapes: Qwen3-30B-A3B 48 layers x
+    top-8, Scout 48 layers x top-1, one byte per choice (<= 256 experts)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.plan import make_plan
+
+    for model, per_token in (("qwen3_30b_a3b", 48 * 8), ("llama4_scout_17bx16e", 48 * 1)):
+        run = load_config("scalerl", model, ["algo.routing_replay=rollout"])
+        plan = make_plan(run)
+        r = run.rollout
+        assert plan.routing is not None and plan.routing.per_token == per_token
+        assert plan.routing.batch == per_token * r.prompts_per_step * r.generations_per_prompt * r.context_length
+        assert plan.engine is not None
+        pool_tokens = int(plan.engine.pool // plan.engine.kv_per_token)
+        assert plan.routing.engine_host == 4 * pool_tokens * per_token
+    assert make_plan(load_config("scalerl", "qwen3_30b_a3b", [])).routing is None
