@@ -324,3 +324,15 @@ def test_values_out_of_range_stop_at_config_naming_the_field_and_the_rule(overri
     with pytest.raises(ConfigError) as info:
         load_config("scalerl-cpu", None, [override])
     assert message in str(info.value)
+
+
+def test_routing_replay_and_mismatch_corrections_are_checked():
+    from megatron_rl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="algo.routing_replay: routing replay needs an MoE model; cpu_demo is dense"):
+        load_config("scalerl-cpu", None, ["algo.routing_replay=rollout"])
+    with pytest.raises(ConfigError, match="algo.tis_cap: must be > 0"):
+        load_config("scalerl-cpu", None, ["algo.tis_cap=0"])
+    with pytest.raises(ConfigError, match="algo.mismatch_mask: must be > 1"):
+        load_config("scalerl-cpu", None, ["algo.mismatch_mask=0.9"])
+    assert load_config("scalerl-cpu", "tiny_moe", ["algo.routing_replay=measure"]).algo.routing_replay == "measure"

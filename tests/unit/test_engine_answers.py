@@ -18,6 +18,7 @@ from megatron_rl.config import SamplingConfig
 from megatron_rl.generator.balancer import EngineBalancer
 from megatron_rl.generator.client import EngineRequestError, SGLangClient
 from megatron_rl.rollout.interruption import Segment
+from megatron_rl.rollout.types import RoutingShape
 
 GOOD: dict[str, Any] = {
     "text": "ab",
@@ -58,10 +59,10 @@ async def _serve(bodies: list[tuple[str, str]]) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-def _generate(body: str, content_type: str = "application/json") -> Segment:
+def _generate(body: str, content_type: str = "application/json", routing: RoutingShape | None = None) -> Segment:
     async def main() -> Segment:
         runner, url = await _serve([(body, content_type)])
-        client = SGLangClient(url, timeout_s=10)
+        client = SGLangClient(url, timeout_s=10, routing=routing)
         try:
             return await client.generate([1, 2], 4, [])
         finally:
@@ -134,3 +135,39 @@ def test_the_balancer_retries_a_garbled_answer_on_another_engine():
     segment, balancer = asyncio.run(main())
     assert segment.tokens == [5, 7]
     assert (balancer.failures, balancer.retries, balancer.failures_by_engine) == (1, 1, [1, 0])
+
+
+SHAPE = RoutingShape(layers=2, topk=2, experts=4)
+
+
+def _routed(ids: list[int]) -> str:
+    """GOOD with SGLang's routed_experts: base64 of int32 ids."""
+    import base64
+
+    import numpy as np
+
+    return _with({"routed_experts": base64.b64encode(np.array(ids, dtype=np.int32).tobytes()).decode()})
+
+
+def test_routing_records_parse_into_compact_ids():
+    """2 input + 2 output tokens: the engine ran 3 of them forward, 3 x 2 layers x top-2 ids."""
+    ids = [0, 1, 2, 3, 3, 0, 1, 2, 0, 2, 1, 3]
+    segment = _generate(_routed(ids), routing=SHAPE)
+    assert segment.routing is not None and segment.routing.dtype.name == "uint8"
+    assert segment.routing.reshape(-1).tolist() == ids and segment.routing.shape == (3, 2, 2)
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        (json.dumps(GOOD), "no meta_info.routed_experts"),
+        (_with({"routed_experts": "%%%"}), "not base64 int32"),
+        (_routed([0, 1, 2]), "not a multiple of layers x top-k = 4"),
+        (_routed([0, 1] * 4), "expected [tokens=3, layers=2, top-k=2]"),  # routing for some tokens only
+        (_routed([0, 1, 2, 3, 3, 0, 1, 2, 0, 2, 1, 7]), "the model has 4 experts"),
+    ],
+)
+def test_a_missing_or_misshapen_routing_record_is_a_request_error(body, named):
+    with pytest.raises(EngineRequestError) as error:
+        _generate(body, routing=SHAPE)
+    assert error.value.status == 200 and "routed_experts" in str(error.value) and named in str(error.value)

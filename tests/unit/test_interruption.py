@@ -163,3 +163,35 @@ def test_a_tokenizer_without_the_end_of_thinking_token_is_refused_when_interrupt
         interruption_tokens(run, plain)
     off = load_config("scalerl-cpu", None, ["rollout.interruption.enabled=false", "algo.length_penalty.enabled=true"])
     interruption_tokens(off, plain)  # the loo-lp way: no interruption, no marker needed
+
+
+def _routed(generate):
+    """A GenerateFn that adds a routing record to every answer, one row per token it ran: row i = [[i]]."""
+    import numpy as np
+
+    async def with_routing(input_ids, max_new_tokens, stop_ids):
+        segment = await generate(input_ids, max_new_tokens, stop_ids)
+        rows = len(input_ids) + len(segment.tokens) - 1
+        segment.routing = np.arange(rows, dtype=np.uint8).reshape(rows, 1, 1)
+        return segment
+
+    return with_routing
+
+
+@pytest.mark.parametrize(
+    "script, answer",
+    [
+        ([3, 10, 11, THINK_END, 20, EOS], 3),  # the answer goes on in a second request
+        ([3, THINK_END, 20, 21, 22, 23], 2),  # cut inside the first request
+        ([3, 10, 11, 12, 13, 0, 0, 0, 30, EOS], 3),  # interrupted: the phrase, then the answer request
+        ([3, THINK_END, 20, EOS], 3),  # one request
+    ],
+    ids=["two_requests", "cut", "interrupted", "one_request"],
+)
+def test_the_routing_record_covers_every_token_but_the_last(script, answer):
+    generate, _ = scripted(script)
+    cfg = _cfg(answer=answer)
+    out = asyncio.run(generate_completion(_routed(generate), [1, 1, 1], cfg, IDS, random.Random(0), lambda: 9))
+    assert out.routing is not None
+    # the last request's record: row i belongs to token i of prompt + completion
+    assert out.routing[:, 0, 0].tolist() == list(range(3 + len(out.tokens) - 1))
