@@ -57,6 +57,44 @@ and the scheduler dies at start-up.
 What: `sglang.srt.mem_cache.pool_host.common._cuda_host_register` does nothing on CPU. Page-locking host
 memory exists only to speed device copies; without a device the buffer is ordinary host memory, exactly as
 allocated. Nothing else of the allocation changes.
+
+5. Llama-4 attention in the model's dtype.
+
+Why: SGLang's `Llama4Attention.forward` has a CUDA path (a fused QK-norm kernel) and a fallback for other
+devices that casts q and k to bfloat16 around the L2 QK-norm, whatever the model's dtype. On CPU with an fp32
+model, q and k then reach attention in bf16 while v is fp32, and the output projection fails ("expected m1
+and m2 to have the same dtype"); with a bf16 model it would round q and k before the norm. Its fallback also
+discards what the rotary embedding returns, relying on it writing into the q/k views in place.
+
+What: on CPU, `Llama4Attention.forward` is replaced by one that runs the same submodules in the same order as
+transformers' Llama-4 attention: qkv projection, RoPE on RoPE layers (its returned q and k), the L2 QK-norm in
+fp32 and back to the activations' dtype, attention-temperature tuning on NoPE layers, attention, output
+projection. The served log-probs are compared with transformers' (tests/integration/test_sglang_families.py).
+
+Two more defects of SGLang's text-only `Llama4ForCausalLM` (models/llama4.py) are corrected with it, on CPU:
+(a) transformers' Llama-4 rotates interleaved pairs of each head's q/k channels (complex RoPE) while SGLang's
+rotary embedding rotates halves; SGLang's multimodal `Llama4ForConditionalGeneration` (mllama4.py, the class
+of real Scout checkpoints) reorders the q_proj/k_proj rows at load time to match (`permute_qk_weight_for_rotary`),
+the text-only class does not. Its `load_weights` now reorders them the same way, for checkpoints and in-flight
+weight updates alike. (b) `Llama4Attention` decides NoPE layers as every 4th layer (Scout's and Maverick's
+pattern) instead of reading `config.no_rope_layers`; a layer whose config says otherwise gets its rotary
+embedding and QK-norm set from the config after construction. Neither defect touches a Scout run on GPU (the
+multimodal class, NoPE every 4th layer); they break any other Llama-4 text checkpoint, such as the tiny one.
+(c) The text-only class loads through Llama's `load_weights`, which skips names it does not know: the fused
+expert tensors (`feed_forward.experts.gate_up_proj` / `down_proj`) were never loaded and the routed experts kept
+their initial values. They now go into SGLang's FusedMoE parameters as the multimodal class puts them (per
+expert, transposed to [out, in], gate as shard w1 and up as w3); a name with no such parameter is an error.
+
+6. MoE with the router weight on the input (Llama-4) in the CPU MoE path.
+
+Why: Llama-4's experts take the token already scaled by its router weight (`apply_router_weight_on_input`);
+SGLang's CPU MoE (`fused_moe_native.moe_forward_native`, used when its AMX kernels are absent) raises
+NotImplementedError for that.
+
+What: that function is wrapped: with the weight on the input, each of the token's k choices runs as a top-1
+call of the original on the token scaled by that choice's weight, with weight 1 at the output, and the k
+results are summed; sum_j expert_j(w_j x) is exactly what the weight on the input means (transformers' Llama-4:
+the routed input is x * sigmoid(score)). Every other case goes to the original unchanged.
 """
 
 from __future__ import annotations
@@ -255,10 +293,156 @@ def _patch_host_pools(module: types.ModuleType) -> None:
     module._cuda_host_register = _no_host_register
 
 
+def _llama4_attention_forward(self, positions, hidden_states, forward_batch):  # type: ignore[no-untyped-def]
+    import torch
+
+    qkv, _ = self.qkv_proj(hidden_states)
+    qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+    if self.rotary_emb is not None:
+        q, k = self.rotary_emb(positions, *qk.split([self.q_size, self.kv_size], dim=-1))
+        qk = torch.cat([q, k], dim=-1)
+    if self.qk_norm is not None:
+        heads = qk.reshape(-1, self.head_dim)
+        qk = self.qk_norm(heads.float()).to(heads.dtype).reshape(-1, self.q_size + self.kv_size)
+    q, k = qk.split([self.q_size, self.kv_size], dim=-1)
+    if self.attn_temperature_tuning and not self.use_rope:
+        q = (q * self._get_attn_scale(positions)).to(q.dtype)
+    output, _ = self.o_proj(self.attn(q, k, v, forward_batch))
+    return output
+
+
+def _pairs_to_halves(weight, heads: int):  # type: ignore[no-untyped-def]
+    """q_proj/k_proj rows from transformers' interleaved RoPE pairs to the rotate-halves layout, per head."""
+    rows, columns = weight.shape
+    return weight.view(heads, rows // heads // 2, 2, columns).transpose(1, 2).reshape(rows, columns)
+
+
+def _load_fused_experts(params, name: str, tensor) -> None:  # type: ignore[no-untyped-def]
+    """transformers' fused expert tensors (gate_up_proj [E, H, 2I], gate then up; down_proj [E, I, H]) into
+    SGLang's FusedMoE parameters (w13_weight with shards w1 = gate, w3 = up; w2_weight), one expert at a time."""
+    if ".experts.gate_up_proj" in name:
+        target, shards = name.replace(".experts.gate_up_proj", ".experts.w13_weight"), ("w1", "w3")
+        parts = tensor.chunk(2, dim=-1)
+    else:
+        target, shards, parts = name.replace(".experts.down_proj", ".experts.w2_weight"), ("w2",), (tensor,)
+    if target not in params:
+        raise KeyError(f"Llama-4 expert weights {name}: the model has no parameter {target}")
+    param = params[target]
+    for shard, part in zip(shards, parts, strict=True):
+        for expert in range(part.shape[0]):
+            param.weight_loader(param, part[expert].T, target, shard_id=shard, expert_id=expert)
+
+
+def llama4_text_load_weights(original):  # type: ignore[no-untyped-def]
+    import functools
+
+    @functools.wraps(original)
+    def load_weights(self, weights):  # type: ignore[no-untyped-def]
+        config = self.config
+        params = dict(self.named_parameters())
+
+        def reordered():  # type: ignore[no-untyped-def]
+            for name, tensor in weights:
+                if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
+                    _load_fused_experts(params, name, tensor)
+                    continue
+                if name.endswith("self_attn.q_proj.weight"):
+                    tensor = _pairs_to_halves(tensor, config.num_attention_heads)
+                elif name.endswith("self_attn.k_proj.weight"):
+                    tensor = _pairs_to_halves(tensor, config.num_key_value_heads)
+                yield name, tensor
+
+        return original(self, reordered())
+
+    load_weights.megatron_rl_original = original  # type: ignore[attr-defined]
+    return load_weights
+
+
+def llama4_attention_init(module: types.ModuleType, original):  # type: ignore[no-untyped-def]
+    import functools
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def init(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        config, layer_id = bound.arguments["config"], bound.arguments["layer_id"]
+        layers = getattr(config, "no_rope_layers", None)
+        use_rope = bool(layers[layer_id]) if layers else self.use_rope  # transformers: 1 = RoPE, 0 = NoPE
+        if use_rope == self.use_rope:
+            return
+        self.use_rope = use_rope
+        self.use_qk_norm = config.use_qk_norm and use_rope
+        self.qk_norm = (
+            module.RMSNorm(hidden_size=self.head_dim, eps=config.rms_norm_eps, has_weight=False)
+            if self.use_qk_norm
+            else None
+        )
+        rope_scaling = bound.arguments["rope_scaling"]
+        self.rotary_emb = (
+            module.get_rope(
+                self.head_dim,
+                rotary_dim=self.head_dim,
+                max_position=bound.arguments["max_position_embeddings"],
+                base=int(bound.arguments["rope_theta"]),
+                rope_scaling=rope_scaling if rope_scaling != "default" else None,
+                is_neox_style=True,
+            )
+            if use_rope
+            else None
+        )
+        self.attn.use_irope = use_rope
+
+    init.megatron_rl_original = original  # type: ignore[attr-defined]
+    return init
+
+
+def _patch_llama4(module: types.ModuleType) -> None:
+    module.Llama4Attention.forward = _llama4_attention_forward
+    if not hasattr(module.Llama4Attention.__init__, "megatron_rl_original"):
+        module.Llama4Attention.__init__ = llama4_attention_init(module, module.Llama4Attention.__init__)
+    causal = module.Llama4ForCausalLM
+    if not hasattr(causal.load_weights, "megatron_rl_original"):
+        causal.load_weights = llama4_text_load_weights(causal.load_weights)
+
+
+def weight_on_input(original):  # type: ignore[no-untyped-def]
+    import dataclasses
+    import functools
+
+    @functools.wraps(original)
+    def run(layer, x, topk_output, moe_runner_config):  # type: ignore[no-untyped-def]
+        if not moe_runner_config.apply_router_weight_on_input:
+            return original(layer, x, topk_output, moe_runner_config)
+        config = dataclasses.replace(moe_runner_config, apply_router_weight_on_input=False)
+        weights, ids = topk_output.topk_weights, topk_output.topk_ids
+        total = None
+        for j in range(ids.shape[1]):
+            one = topk_output._replace(
+                topk_weights=weights[:, j : j + 1].new_ones(ids.shape[0], 1), topk_ids=ids[:, j : j + 1]
+            )
+            out = original(layer, x * weights[:, j : j + 1].to(x.dtype), one, config)
+            total = out if total is None else total + out
+        return total
+
+    run.megatron_rl_original = original  # type: ignore[attr-defined]
+    return run
+
+
+def _patch_native_moe(module: types.ModuleType) -> None:
+    if not hasattr(module.moe_forward_native, "megatron_rl_original"):
+        module.moe_forward_native = weight_on_input(module.moe_forward_native)
+
+
 PATCHES = {
     TORCH_NATIVE: _patch_torch_native,
     "sglang.srt.platforms.cpu": _patch_cpu_platform,
     "sglang.srt.mem_cache.pool_host.common": _patch_host_pools,
+    "sglang.srt.models.llama4": _patch_llama4,
+    "sglang.srt.layers.moe.fused_moe_native": _patch_native_moe,
 }
 """Module -> the patch applied right after SGLang's module is executed (CPU only)."""
 
