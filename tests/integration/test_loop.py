@@ -2,8 +2,9 @@
 
 One short PipelineRL-2 run (and a PPO-off-policy-2 run) through `megatron-rl train`, then checks on its
 metrics file and checkpoint; a second invocation resumes from the checkpoint at the next step. The tiny
-Qwen3-MoE goes through the same loop at its own layout (EP 2: two trainer ranks and an engine, three processes
-on a two-core machine) with rollout routing replay.
+Qwen3-MoE learns through the same loop at its own layout (EP 2: two trainer ranks and an engine, three processes
+on a two-core machine) with rollout routing replay, and every family's engine serves what its trainer trains after
+each weight push.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ SMALL = [
 ]
 
 
-def _train(tmp: Path, name: str, extra: list[str], model: str | None = None) -> list[dict]:
+def _train(tmp: Path, name: str, extra: list[str], model: str | None = None, small: bool = True) -> list[dict]:
     cmd = [
         sys.executable,
         "-m",
@@ -42,7 +43,7 @@ def _train(tmp: Path, name: str, extra: list[str], model: str | None = None) -> 
         f"name={name}",
     ]
     env = dict(os.environ, PYTHONWARNINGS="ignore", WANDB_MODE="offline")
-    out = subprocess.run(cmd + SMALL + extra, env=env, capture_output=True, text=True, timeout=900)
+    out = subprocess.run(cmd + (SMALL if small else []) + extra, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     # wandb's service is ended by the run's own shutdown (wandb.teardown), not by the final sweep, whose kill
     # made wandb's exit hook fail with a traceback
@@ -95,14 +96,17 @@ def test_ppo_off_policy_run(tmp_path):
     assert [("sync/bytes" in r) for r in steps] == [False, True, False, True]
 
 
-def test_an_moe_policy_goes_through_the_loop_at_ep2(tmp_path):
+def test_an_moe_policy_learns_through_the_loop_at_ep2_with_routing_replay(tmp_path):
+    """20 steps of the default CPU recipe (16 x 8 batches, 256 x 4 validation) on the tiny Qwen3-MoE at EP 2 with
+    SGLang serving it and rollout routing replay: validation rises, and the routing agreement is logged."""
     import yaml
 
-    rows = _train(tmp_path, "moe", ["total_steps=4", "rollout.k=2", "algo.routing_replay=rollout"], model="tiny_moe")
+    extra = ["total_steps=20", "algo.routing_replay=rollout", "logging.wandb=offline", "checkpoint.every_steps=20"]
+    rows = _train(tmp_path, "moe", extra, model="tiny_moe", small=False)
     parallel = yaml.safe_load((tmp_path / "moe" / "config.yaml").read_text())["parallel"]
     assert (parallel["ep"], parallel["trainer_devices"]) == (2, 2)
     steps = [r for r in rows if "train/loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["step"] for r in steps] == list(range(1, 21))
     assert all(r["train/skipped_steps"] == 0 and r["sync/bytes"] > 0 for r in steps)  # pushed from EP 2 each step
     # SGLang's MoE and the trainer's route the same fp32 model: the first, on-policy step agrees
     assert steps[0]["train/mismatch"] < 1e-3
@@ -110,7 +114,9 @@ def test_an_moe_policy_goes_through_the_loop_at_ep2(tmp_path):
     # agrees with SGLang's on the on-policy step (fp32 both sides); later steps add the policy change of stale tokens
     assert steps[0]["train/routing_agreement"] > 0.99
     assert all(0.5 < r["train/routing_agreement_min"] <= 1 and "train/routing_agreement/layer01" in r for r in steps)
-    assert [r for r in rows if "val/pass_rate" in r]
+    val = [(r["step"], r["val/pass_rate"]) for r in rows if "val/pass_rate" in r]
+    assert [step for step, _ in val][0] == 1 and val[-1][0] == 20
+    assert val[-1][1] > val[0][1] + 0.02, val  # measured: 0.308 -> 0.334 -> 0.373 (1,024 samples each)
 
 
 @pytest.mark.parametrize(
