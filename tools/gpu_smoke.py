@@ -18,6 +18,9 @@ the end; the exit status is 1 when any check fails.
     push         the weight push's stream (`iter_hf_weights`, the engines' names and dtype) from a trained model:
                  every tensor a transformers model of the family expects, and that model's log-probs equal the
                  trainer's after training
+    replay       MoE rollout routing replay: the tiny Qwen3-MoE's and Llama-4's trainer log-probs with random
+                 generator routing records against transformers routing by the same records (fp32 within 2e-3), and
+                 a train step with replay under full recompute, GSPO, token-level TIS and sequence masking
     loop         `trainer.train_step` on the ScaleRL recipe (CISPO, bf16, FP32 head, full recompute) for
                  `--steps` steps of synthetic rollouts on a mid-size model (qwen3_4b: all 36 layers where the
                  device holds them, 18 otherwise; cpu_demo on CPU): step time, tokens/s, MFU, peak memory against
@@ -297,6 +300,88 @@ def check_push(ctx: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+@contextlib.contextmanager
+def forced_routing(model: Any, routers: list[Any], records: Callable[[str], Any]) -> Iterator[None]:
+    """transformers' MoE routers choose the recorded experts: each router's `torch.topk` answers with the records of
+    its layer (the values gathered from what it ranks), for the forward of one sequence at a time."""
+    handles, original = [], torch.topk
+    state: dict[str, Any] = {}
+
+    def forced(values: torch.Tensor, k: int, dim: int = -1, **kwargs: Any) -> Any:
+        index = state["experts"].to(values.device)
+        return torch.return_types.topk((values.gather(1, index), index))
+
+    for layer, router in enumerate(routers):
+
+        def pre(module: Any, args: Any, layer: int = layer) -> None:
+            state["experts"] = records("records")[:, layer]
+            torch.topk = forced  # type: ignore[assignment]
+
+        def post(module: Any, args: Any, output: Any) -> None:
+            torch.topk = original
+
+        handles += [router.register_forward_pre_hook(pre), router.register_forward_hook(post)]
+    try:
+        yield
+    finally:
+        torch.topk = original
+        for handle in handles:
+            handle.remove()
+
+
+def check_replay(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Rollout routing replay on this device: the MoE families' trainer log-probs with random generator routing
+    records equal transformers routing by the same records (fp32), and a train step with replay under full recompute
+    (REPLAY_BACKWARD), GSPO and both mismatch corrections is taken, with its routing agreement logged."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    if "tiny" not in ctx:
+        raise NotRun("needs the logprobs check's tiny models")
+    device = torch.device("cuda") if ctx["cuda"] else torch.device("cpu")
+    results: dict[str, Any] = {}
+    failures = []
+    for fam in ("qwen3_moe", "llama4"):
+        name, rules, hf_dir = ctx["tiny"][fam]
+        groups = synthetic_groups(9, 3, 3, 512, (15, 30), (25, 70))
+        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager").to(device)
+        cfg = hf.config
+        experts, topk = cfg.num_experts if fam == "qwen3_moe" else cfg.num_local_experts, cfg.num_experts_per_tok
+        rng = np.random.default_rng(9)
+        for group in groups:
+            for c in group.completions:
+                draws = rng.random((len(c.prompt_tokens) + len(c.tokens) - 1, cfg.num_hidden_layers, experts))
+                c.routed_experts = np.argsort(draws, axis=-1)[..., :topk].astype(np.uint8)
+        routers = [layer.mlp.gate if fam == "qwen3_moe" else layer.feed_forward.router for layer in hf.model.layers]
+        current: dict[str, Any] = {}
+        expected = []
+        with forced_routing(hf, routers, current.__getitem__):
+            for group in groups:
+                for c in group.completions:
+                    last = torch.arange(topk).expand(1, cfg.num_hidden_layers, topk)  # the last token predicts nothing
+                    current["records"] = torch.cat([torch.from_numpy(c.routed_experts.astype(np.int64)), last])
+                    expected += hf_logprobs(hf, [type(group)(group.prompt_id, group.task, [c])], device)
+        del hf
+        overrides = rules + ["trainer.micro_batch_tokens=512", "trainer.params_dtype=fp32", "trainer.layer_spec=local"]
+        overrides += ["algo.routing_replay=rollout", "trainer.recompute.granularity=full", "algo.loss=gspo"]
+        overrides += ["algo.tis_cap=2.0", "algo.mismatch_mask=20"]
+        with trainer_for("scalerl-cpu", name, overrides) as t:
+            load_hf(t, hf_dir)
+            got = t.compute_logprobs(groups)
+            metrics = t.train_step(groups)
+        worst, mean = max_mean_diff(got, expected)
+        results[fam] = {"max": worst, "mean": mean, "skipped": metrics["train/skipped_steps"],
+                        "agreement": metrics.get("train/routing_agreement"),
+                        "masked": metrics["train/mismatch_masked"], "kl": metrics["train/mismatch_kl"]}  # fmt: skip
+        if worst > FP32_TOLERANCE:
+            failures.append(f"{fam}: replayed log-probs max |dlogp| {worst:.2e} against transformers' forced routing")
+        if metrics["train/skipped_steps"] or not 0 <= metrics.get("train/routing_agreement", -1) < 1:
+            failures.append(f"{fam}: step skipped or no routing agreement ({metrics.get('train/routing_agreement')})")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return results
+
+
 def check_loop(ctx: dict[str, Any]) -> dict[str, Any]:
     from megatron_rl.plan import GIB
     from megatron_rl.trainer.weights import iter_hf_weights
@@ -542,6 +627,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "settings": check_settings,
     "logprobs": check_logprobs,
     "push": check_push,
+    "replay": check_replay,
     "engine": check_engine,
     "loop": check_loop,
 }
