@@ -8,7 +8,6 @@ implementation of "route by the recorded choices".
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -17,32 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+from test_trainer import _max_diff  # noqa: E402
+from test_trainer import _run as trainer_run  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("trainer_worker.py")
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
 LR = ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0", "trainer.params_dtype=fp32"]
 
 
 def _run(tmp: Path, name: str, spec: dict, world: int = 1) -> list[dict]:
-    from megatron_rl.trainer.distributed import free_port
-
-    spec = {"model": "tiny_moe", "out": str(tmp / name), "routing": 7, **spec}
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-        env.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        cmd = [sys.executable, str(WORKER), json.dumps(spec)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, out[-4000:]
-    return [torch.load(f"{spec['out']}.rank{r}", weights_only=False) for r in range(world)]
-
-
-def _max_diff(a: list[list[float]], b: list[list[float]]) -> float:
-    return max(abs(x - y) for la, lb in zip(a, b, strict=True) for x, y in zip(la, lb, strict=True))
+    """Trainer ranks on the tiny Qwen3-MoE with random generator routing records (seed 7) on every completion."""
+    return trainer_run(tmp, name, {"model": "tiny_moe", "routing": 7, **spec}, world)
 
 
 @pytest.fixture(scope="module")
