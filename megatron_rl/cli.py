@@ -64,6 +64,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         check_allocation(config, args.allocation)
         check_memory(config)
     config.check_starting_model()
+    config.check_engine_attention()
     if args.write:
         from megatron_rl.config import save_config
 

@@ -851,6 +851,19 @@ class RunConfig:
         self.check_kernels()
         self.check_row_budget(phrase_tokens=0)
 
+    def check_engine_attention(self) -> None:
+        """The engines can serve the model's attention: SGLang's CPU engine (torch-native attention) has no chunked
+        local attention, so a Llama-4 whose chunk is shorter than the rollout's longest sequence would be served with
+        full attention (the trainer alone, as in tests, runs it on CPU: this is checked where engines start)."""
+        chunk = self.model.attention_chunk_size
+        if self.rollout.engine.device == "cpu" and chunk is not None and chunk < self.rollout.context_length:
+            _fail(
+                "model.attention_chunk_size",
+                f"{chunk} is shorter than rollout.context_length={self.rollout.context_length}, and SGLang's CPU "
+                "engine (torch-native attention) has no chunked local attention: it would serve longer sequences "
+                "with full attention. Lower the rollout's length budgets to the chunk or serve on GPUs",
+            )
+
     def check_starting_model(self) -> None:
         """A GPU run starts RL from a pretrained checkpoint (`model.hf_path`); only a CPU run builds its tiny model
         itself. Checked by `check` (the Slurm bootstrap runs it before Ray starts) and by `train`, not when a config

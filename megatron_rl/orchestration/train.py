@@ -255,6 +255,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
     policy = prepare_policy(run, splits)
     run.check_context(policy)  # the engines would refuse a context beyond the checkpoint's positions
+    run.check_engine_attention()  # ... and serve chunked attention wrongly on CPU
     tokenizer = AutoTokenizer.from_pretrained(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
     tokens = interruption_tokens(run, tokenizer)

@@ -336,3 +336,15 @@ def test_routing_replay_and_mismatch_corrections_are_checked():
     with pytest.raises(ConfigError, match="algo.mismatch_mask: must be > 1"):
         load_config("scalerl-cpu", None, ["algo.mismatch_mask=0.9"])
     assert load_config("scalerl-cpu", "tiny_moe", ["algo.routing_replay=measure"]).algo.routing_replay == "measure"
+
+
+def test_a_cpu_engine_refuses_chunked_attention_it_cannot_serve():
+    """SGLang's torch-native attention has no chunked local attention: a Llama-4 whose chunk is shorter than the
+    longest sequence would be served with full attention, so the CPU run is refused naming the field."""
+    from megatron_rl.config import ConfigError, load_config
+
+    run = load_config("scalerl-cpu", "tiny_llama4", ["model.attention_chunk_size=64"])  # the trainer alone: fine
+    with pytest.raises(ConfigError, match="model.attention_chunk_size: 64 is shorter than rollout.context_length"):
+        run.check_engine_attention()
+    load_config("scalerl-cpu", "tiny_llama4", ["model.attention_chunk_size=4096"]).check_engine_attention()
+    load_config("scalerl", "llama4_scout_17bx16e", []).check_engine_attention()  # GPU engines chunk themselves
