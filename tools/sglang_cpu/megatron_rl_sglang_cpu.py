@@ -81,9 +81,10 @@ pattern) instead of reading `config.no_rope_layers`; a layer whose config says o
 embedding and QK-norm set from the config after construction. Neither defect touches a Scout run on GPU (the
 multimodal class, NoPE every 4th layer); they break any other Llama-4 text checkpoint, such as the tiny one.
 (c) The text-only class loads through Llama's `load_weights`, which skips names it does not know: the fused
-expert tensors (`feed_forward.experts.gate_up_proj` / `down_proj`) were never loaded and the routed experts kept
-their initial values. They now go into SGLang's FusedMoE parameters as the multimodal class puts them (per
-expert, transposed to [out, in], gate as shard w1 and up as w3); a name with no such parameter is an error.
+expert tensors of a checkpoint (`feed_forward.experts.gate_up_proj` / `down_proj`) and the per-expert weights of
+an in-flight update (`feed_forward.experts.{e}.{gate,up,down}_proj.weight`) were never loaded and the routed
+experts kept their initial values. Both now go into SGLang's FusedMoE parameters as the multimodal class puts
+them (per expert, [out, in], gate as shard w1 and up as w3); a name with no such parameter is an error.
 
 6. MoE with the router weight on the input (Llama-4) in the CPU MoE path.
 
@@ -333,6 +334,24 @@ def _load_fused_experts(params, name: str, tensor) -> None:  # type: ignore[no-u
             param.weight_loader(param, part[expert].T, target, shard_id=shard, expert_id=expert)
 
 
+_EXPERT_SHARDS = {"gate_proj": ("w13_weight", "w1"), "up_proj": ("w13_weight", "w3"), "down_proj": ("w2_weight", "w2")}
+
+
+def _load_one_expert(params, name: str, tensor) -> bool:  # type: ignore[no-untyped-def]
+    """One expert's linear weight (`...feed_forward.experts.{e}.{gate,up,down}_proj.weight`, [out, in], the names
+    of a weight push) into SGLang's FusedMoE parameters; False for any other name."""
+    head, found, tail = name.partition(".feed_forward.experts.")
+    parts = tail.split(".")
+    if not found or len(parts) != 3 or not parts[0].isdigit() or parts[1] not in _EXPERT_SHARDS or parts[2] != "weight":
+        return False
+    param_name, shard = _EXPERT_SHARDS[parts[1]]
+    target = f"{head}.feed_forward.experts.{param_name}"
+    if target not in params:
+        raise KeyError(f"Llama-4 expert weight {name}: the model has no parameter {target}")
+    params[target].weight_loader(params[target], tensor, target, shard_id=shard, expert_id=int(parts[0]))
+    return True
+
+
 def llama4_text_load_weights(original):  # type: ignore[no-untyped-def]
     import functools
 
@@ -345,6 +364,8 @@ def llama4_text_load_weights(original):  # type: ignore[no-untyped-def]
             for name, tensor in weights:
                 if ".experts.gate_up_proj" in name or ".experts.down_proj" in name:
                     _load_fused_experts(params, name, tensor)
+                    continue
+                if _load_one_expert(params, name, tensor):
                     continue
                 if name.endswith("self_attn.q_proj.weight"):
                     tensor = _pairs_to_halves(tensor, config.num_attention_heads)
