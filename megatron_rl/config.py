@@ -180,11 +180,16 @@ class ModelConfig:
 class ParallelConfig:
     """How trainer ranks split the model, by megatron-core's rules (`parallel_state.initialize_model_parallel`).
 
-    Dense layers: world = tp x pp x dp. Expert layers: world = etp x ep x pp x edp (expert data parallel).
+    Dense layers: world = tp x cp x pp x dp. Expert layers: world = etp x ep x pp x edp (expert data parallel).
     """
 
     tp: int = 1
     pp: int = 1
+    cp: int = 1
+    """Context parallel: every sequence of a packed row is split over `cp` ranks, as Transformer Engine's THD
+    context parallelism expects (2 x cp chunks per sequence, rank r holds chunks r and 2cp-1-r); attention
+    exchanges keys and values over the CP group, everything else runs on the rank's tokens only (activation
+    memory / cp). The CP ranks of one data-parallel replica train on the same sequences."""
     ep: int = 1
     etp: int | None = None
     """Expert tensor parallel: how many ranks split one expert's MLP. null = 1 for MoE models (each expert
@@ -199,22 +204,22 @@ class ParallelConfig:
     """Shard optimizer state across data-parallel ranks (megatron-core DistributedOptimizer)."""
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "ep", "trainer_devices"):
+        for name in ("tp", "pp", "cp", "ep", "trainer_devices"):
             if getattr(self, name) < 1:
                 _fail(name, f"must be >= 1, got {getattr(self, name)}")
         if self.etp is not None and self.etp < 1:
             _fail("etp", f"must be >= 1 or null, got {self.etp}")
-        if self.trainer_devices % (self.tp * self.pp):
-            _fail(
-                "trainer_devices",
-                f"world size {self.trainer_devices} must be a multiple of tp x pp = {self.tp} x {self.pp}",
-            )
+        if self.trainer_devices % (self.tp * self.cp * self.pp):
+            layout = f"tp x pp = {self.tp} x {self.pp}"
+            if self.cp > 1:
+                layout = f"tp x cp x pp = {self.tp} x {self.cp} x {self.pp}"
+            _fail("trainer_devices", f"world size {self.trainer_devices} must be a multiple of {layout}")
         if self.sequence_parallel and self.tp == 1:
             _fail("sequence_parallel", "needs tp > 1 (megatron-core: no sequence parallelism without TP)")
 
     @property
     def dp(self) -> int:
-        return self.trainer_devices // (self.tp * self.pp)
+        return self.trainer_devices // (self.tp * self.cp * self.pp)
 
     def expert_tp(self, moe: bool) -> int:
         """The expert-tensor-parallel size in effect (`etp`, or its default for the model)."""
@@ -226,9 +231,24 @@ class ParallelConfig:
         return self.trainer_devices // (self.expert_tp(moe) * self.ep * self.pp)
 
     @property
+    def seq_pad_multiple(self) -> int:
+        """Each sequence of a row is padded to a multiple of this: context parallel cuts it into 2 x cp chunks."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
     def pad_multiple(self) -> int:
-        """Packed rows are padded to a multiple of this: sequence parallel splits a row over TP ranks."""
-        return self.tp if self.sequence_parallel else 1
+        """Packed rows are padded to a multiple of this: each CP rank holds 1/cp of every sequence (each padded to
+        2 x cp chunks), and sequence parallel splits a rank's part over the TP ranks."""
+        return self.seq_pad_multiple * (self.tp if self.sequence_parallel else 1)
+
+    def padded_length(self, tokens: int) -> int:
+        """Tokens a sequence of `tokens` takes in a row (padded to `seq_pad_multiple`)."""
+        return -(-tokens // self.seq_pad_multiple) * self.seq_pad_multiple
+
+    def padded_row(self, lengths: list[int]) -> int:
+        """Tokens a row holding sequences of `lengths` takes, padding included."""
+        tokens = sum(self.padded_length(n) for n in lengths)
+        return -(-tokens // self.pad_multiple) * self.pad_multiple
 
 
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "shared_experts", "moe_act")
@@ -319,6 +339,12 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     """Global gradient-norm clip (ours); 0 disables it."""
+    cpu_offload: bool = False
+    """Keep `offload_fraction` of the Adam state (fp32 master weights, both moments: 12 bytes per parameter) in
+    host memory and update it there, megatron-core's HybridDeviceOptimizer (`optimizer_cpu_offload`). Needs the
+    distributed optimizer; the plan counts the host memory it takes per node."""
+    offload_fraction: float = 1.0
+    """Share of the optimizer state (by parameters) kept on the host when `cpu_offload` is on."""
 
     def __post_init__(self) -> None:
         if self.lr <= 0:
@@ -329,6 +355,8 @@ class OptimizerConfig:
             _fail("adam_beta1", "adam_beta1 and adam_beta2 must be in [0, 1)")
         if self.grad_clip < 0:
             _fail("grad_clip", f"must be >= 0, got {self.grad_clip}")
+        if not 0.0 < self.offload_fraction <= 1.0:
+            _fail("offload_fraction", f"must be in (0, 1], got {self.offload_fraction}")
 
 
 @dataclass
@@ -823,6 +851,12 @@ class RunConfig:
             _fail("parallel.tp", f"must divide model.ffn_hidden_size={m.ffn_hidden_size}, got {p.tp}")
         if m.num_layers % p.pp:
             _fail("parallel.pp", f"must divide model.num_layers={m.num_layers}, got {p.pp}")
+        if self.trainer.optimizer.cpu_offload and not p.distributed_optimizer:
+            _fail(
+                "trainer.optimizer.cpu_offload",
+                "megatron-core offloads the optimizer state of its distributed optimizer only; set "
+                "parallel.distributed_optimizer=true",
+            )
         if self.algo.routing_replay != "none" and not m.is_moe:
             _fail("algo.routing_replay", f"routing replay needs an MoE model; {m.name} is dense (set it to none)")
         if p.ep > 1 and not m.is_moe:
@@ -946,15 +980,17 @@ class RunConfig:
         r, p = self.rollout, self.parallel
         longest = r.max_prompt_tokens + r.interruption.max_thinking_tokens + r.answer_tokens
         longest += phrase_tokens if r.interruption.enabled else 0
-        padded = -(-longest // p.pad_multiple) * p.pad_multiple
+        padded = p.padded_row([longest])
         if self.trainer.micro_batch_tokens < padded:
             phrase = f" + {phrase_tokens} phrase tokens" if phrase_tokens else ""
+            rule = f"a multiple of {p.pad_multiple}"
+            if p.cp > 1:
+                rule = f"2 x cp = {p.seq_pad_multiple} chunks per sequence (parallel.cp={p.cp}), rows {rule}"
             _fail(
                 "trainer.micro_batch_tokens",
                 f"{self.trainer.micro_batch_tokens} cannot hold the longest sequence a rollout makes: "
                 f"max_prompt_tokens + max_thinking_tokens + answer_tokens{phrase} = {longest} tokens "
-                f"({padded} padded to a multiple of {p.pad_multiple})"
-                + ("" if phrase_tokens else ", plus the interruption phrase"),
+                f"({padded} padded to {rule})" + ("" if phrase_tokens else ", plus the interruption phrase"),
             )
 
     @property

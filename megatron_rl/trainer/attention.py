@@ -22,8 +22,13 @@ them (`Llama4Attention` below, used by both backends):
 - attention-temperature tuning on the NoPE layers: the query at position p (within its sequence) is
   scaled by 1 + attn_scale * log(floor((p + 1) / floor_scale) + 1).
 
-Limits: no context parallelism (a CP rank would hold pieces of a sequence), no attention dropout (RL
-fine-tuning runs without it), no sliding windows.
+Context parallelism (`parallel.cp`, trainer/context_parallel.py): `cu_seqlens` stay the whole row's (every
+segment padded to 2 x cp chunks), as Transformer Engine and megatron-core's RoPE expect, while each rank holds
+its chunks only; positions are those of the rank's own tokens. Transformer Engine exchanges keys and values
+itself (its ring); `PackedCoreAttention`, and the Llama-4 chunked layers on either backend, exchange them with
+`context_parallel.attend`.
+
+Limits: no attention dropout (RL fine-tuning runs without it), no sliding windows.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
+from megatron_rl.trainer.context_parallel import CpLayout, attend, cp_layout
 
 
 @dataclass
@@ -49,24 +55,39 @@ class PackedRows(PackedSeqParams):
     """Sequence boundaries plus a cut at every chunk start inside each sequence (chunked layers)."""
     chunk_max_seqlen: int | None = None
     positions: Tensor | None = None
-    """Position of each token within its own sequence (temperature-tuned layers)."""
+    """Position of each (of this rank's) token within its own sequence (temperature-tuned layers)."""
+    cp: CpLayout | None = None
+    """Context parallel: how the row is split over the CP group (None without CP)."""
 
 
-def packed_rows(lengths: list[int], device: torch.device | str, chunk_size: int | None = None) -> PackedRows:
-    """The THD description of a row holding sequences of `lengths` tokens, back to back."""
+def packed_rows(
+    lengths: list[int],
+    device: torch.device | str,
+    chunk_size: int | None = None,
+    cp: int = 1,
+    cp_rank: int = 0,
+) -> PackedRows:
+    """The THD description of a row holding segments of `lengths` tokens, back to back; with `cp` > 1, of the
+    whole row (each length a multiple of 2 x cp) as CP rank `cp_rank` holds it."""
     bounds = [0]
     for length in lengths:
         bounds.append(bounds[-1] + length)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     longest = max(lengths)
+    positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
+    layout = cp_layout(lengths, cp, cp_rank, chunk_size) if cp > 1 else None
     rows = PackedRows(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,
         cu_seqlens_kv=cu_seqlens,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
-        positions=torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths]).to(device),
+        positions=(positions if layout is None else positions[layout.index]).to(device),
+        cp=layout,
     )
+    if layout is not None:  # segments hold their own padding: the padded boundaries are the boundaries
+        rows.cu_seqlens_q_padded = rows.cu_seqlens_kv_padded = cu_seqlens
+        return rows  # chunked layers cut with the layout's chunk runs
     if chunk_size is not None:
         spans = zip(bounds[:-1], bounds[1:], strict=True)
         cuts = [b for start, end in spans for b in range(start, end, chunk_size)] + [bounds[-1]]
@@ -143,8 +164,6 @@ class PackedCoreAttention(torch.nn.Module):
         llama4: Llama4Attention | None = None,
     ) -> None:
         super().__init__()
-        if config.context_parallel_size != 1:
-            raise ValueError("PackedCoreAttention: context parallelism needs Transformer Engine's attention")
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"PackedCoreAttention: attention dropout is not supported (got {dropout})")
@@ -169,6 +188,8 @@ class PackedCoreAttention(torch.nn.Module):
                 "(cu_seqlens), not with an attention mask or bias"
             )
         if packed_seq_params is None:  # [s, b, h, d]: every batch row is one sequence
+            if self.config.context_parallel_size > 1:
+                raise ValueError("PackedCoreAttention: context parallelism needs packed rows (packed_seq_params)")
             seq, batch = query.shape[:2]
             flat = lambda x: x.transpose(0, 1).reshape(seq * batch, *x.shape[2:])  # noqa: E731
             rows = packed_rows([seq] * batch, query.device, self.llama4.chunk_size if self.llama4 else None)
@@ -180,6 +201,8 @@ class PackedCoreAttention(torch.nn.Module):
 
     def _packed(self, query_T: Tensor, key_T: Tensor, value_T: Tensor, rows: PackedRows) -> Tensor:
         """[tokens, heads, dim] -> [tokens, heads * dim], causal attention within each segment."""
+        if rows.cp is not None:
+            return cp_attention(query_T, key_T, value_T, rows, self.llama4, self.softmax_scale)
         if self.llama4 is not None:
             query_T = self.llama4.scale_query(query_T, rows)
             rows = self.llama4.packed_seq_params(rows)
@@ -200,14 +223,29 @@ class PackedCoreAttention(torch.nn.Module):
         return out_T.reshape(out_T.shape[0], -1)
 
 
+def cp_attention(
+    query_T: Tensor, key_T: Tensor, value_T: Tensor, rows: PackedRows, llama4: Llama4Attention | None, scale: float
+) -> Tensor:
+    """Context-parallel attention of this rank's queries (context_parallel.attend), with the layer's Llama-4 rule."""
+    from megatron.core import parallel_state
+
+    assert rows.cp is not None
+    if llama4 is not None:
+        query_T = llama4.scale_query(query_T, rows)
+    chunked = llama4 is not None and llama4.chunk_size is not None
+    group = parallel_state.get_context_parallel_group()
+    return attend(query_T, key_T, value_T, rows.cp, scale, chunked, group)
+
+
 def te_packed_attention_class() -> type:
     """Transformer Engine's attention with the Llama-4 rules applied to its inputs (GPU only)."""
     from megatron.core.extensions.transformer_engine import TEDotProductAttention
 
     class TELlama4Attention(TEDotProductAttention):  # type: ignore[misc,valid-type]
-        def __init__(self, *args: Any, llama4: Llama4Attention | None, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
+        def __init__(self, config: Any, *args: Any, llama4: Llama4Attention | None, **kwargs: Any) -> None:
+            super().__init__(config, *args, **kwargs)
             self.llama4 = llama4
+            self.cp_softmax_scale = kwargs.get("softmax_scale") or 1.0 / math.sqrt(config.kv_channels)
 
         def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Any, **kwargs: Any) -> Tensor:
             if self.llama4 is None:  # a layer without a rule (e.g. NoPE layers when only chunking is on)
@@ -215,6 +253,8 @@ def te_packed_attention_class() -> type:
             rows = kwargs.get("packed_seq_params")
             if not isinstance(rows, PackedRows) or rows.qkv_format != "thd":
                 raise ValueError("Llama-4 attention rules need the trainer's packed rows (PackedRows, THD format)")
+            if rows.cp is not None and self.llama4.chunk_size is not None:  # TE's CP has no chunked attention
+                return cp_attention(query, key, value, rows, self.llama4, self.cp_softmax_scale)
             query = self.llama4.scale_query(query, rows)
             kwargs["packed_seq_params"] = self.llama4.packed_seq_params(rows)
             return super().forward(query, key, value, attention_mask, **kwargs)

@@ -23,6 +23,11 @@ What is patched, and why (docs/cpu.md §3):
 3. `torch.Tensor.type()` without arguments reports CPU float tensors as `torch.cuda.*Tensor`: the
    distributed and mixed-precision optimizers refuse parameters whose type string is not a CUDA one.
 4. `torch.Tensor.cuda()` returns the tensor itself (a few megatron paths move buffers explicitly).
+5. `megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer._get_sub_optimizer_param_groups` (optimizer
+   CPU offload): megatron picks the parameters to offload by `param.is_cuda` and pins their host copies. On CPU
+   the trainer's own parameters stand for the device's, and the host copy is an unpinned clone; the same rule
+   (the first `offload_fraction` of the elements, in parameter order) and the same maps, so the offloaded
+   update, the copy back and the state handling run megatron's code.
 
 `PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
 test `test_cpu_compat_symbols_exist` in tests/integration/test_trainer.py) fails with the missing names if a
@@ -49,6 +54,7 @@ PATCHED_SYMBOLS: dict[str, tuple[str, ...]] = {
     "megatron.core.dist_checkpointing.strategies.filesystem_async": ("FileSystemWriterAsync",),
     "megatron.core.dist_checkpointing.strategies.torch": ("TorchDistSaveShardedStrategy",),
     "megatron.core.distributed.finalize_model_grads": ("finalize_model_grads",),
+    "megatron.core.optimizer.cpu_offloading.hybrid_optimizer": ("HybridDeviceOptimizer",),
 }
 
 PRELOADED_PACKAGES = ("megatron.core.dist_checkpointing",)
@@ -231,6 +237,32 @@ def _tensor_cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 _ORIGINAL_TYPE = torch.Tensor.type
 
 
+def _cpu_sub_optimizer_param_groups(self: Any, offload_fraction: float) -> tuple[Any, ...]:
+    """HybridDeviceOptimizer's split into (host groups, device groups, device param -> host copy, host copy -> device
+    param, param -> fp32 copy) with the trainer's CPU parameters in the device's place (patch 5)."""
+    params = [param for group in self.param_groups for param in group["params"]]
+    threshold = sum(param.numel() for param in params) * offload_fraction
+    offloaded = 0
+    host_groups, device_groups = [], []
+    device_to_host, host_to_device, fp32_copies = {}, {}, {}
+    for group in self.param_groups:
+        host_group, device_group = {**group, "params": []}, {**group, "params": []}
+        for original in group["params"]:
+            param, on_host = original, False
+            if offloaded < threshold:
+                param, on_host = original.detach().clone(), True
+                offloaded += param.numel()
+            if self.param_update_in_fp32 and param.dtype != torch.float32:
+                param = param.detach().clone().float()
+                fp32_copies[original] = param
+            if on_host:
+                device_to_host[original], host_to_device[param] = param, original
+            (host_group if on_host else device_group)["params"].append(param)
+        host_groups += [host_group] if host_group["params"] else []
+        device_groups += [device_group] if device_group["params"] else []
+    return host_groups, device_groups, device_to_host, host_to_device, fp32_copies
+
+
 def check_symbols() -> None:
     """Fail clearly when a megatron-core upgrade removed or renamed something this layer patches."""
     missing = []
@@ -279,6 +311,9 @@ def apply() -> bool:
         mp_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)  # type: ignore[assignment]
         torch.Tensor.type = _tensor_type  # type: ignore[method-assign,assignment]
         torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign,assignment]
+        from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
+
+        hybrid_optimizer.HybridDeviceOptimizer._get_sub_optimizer_param_groups = _cpu_sub_optimizer_param_groups
         _applied = True
     _patch_loaded_modules()
     return True

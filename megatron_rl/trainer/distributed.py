@@ -24,6 +24,7 @@ class RankInfo:
     world_size: int
     tp_rank: int
     pp_rank: int
+    cp_rank: int
     ep_rank: int
     dp_rank: int
     device: torch.device
@@ -54,7 +55,7 @@ def served_device_types(backend: str) -> set[str]:
 
 
 def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False, timeout_s: float = 1800.0) -> RankInfo:
-    """Join (or create) the trainer's process group and megatron's TP/PP/EP/ETP/DP groups; idempotent.
+    """Join (or create) the trainer's process group and megatron's TP/CP/PP/EP/ETP/DP groups; idempotent.
 
     `moe`: whether the model has experts (the default expert-TP size depends on it, `ParallelConfig.etp`).
     `timeout_s`: every group's collective timeout (`RunConfig.collective_timeout_s`).
@@ -87,6 +88,7 @@ def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False, tim
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tp,
             pipeline_model_parallel_size=parallel.pp,
+            context_parallel_size=parallel.cp,
             expert_model_parallel_size=parallel.ep,
             expert_tensor_parallel_size=parallel.expert_tp(moe),
             distributed_timeout_minutes=math.ceil(timeout_s / 60),
@@ -98,6 +100,7 @@ def init_distributed(parallel: ParallelConfig, seed: int, moe: bool = False, tim
         world_size=world_size,
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        cp_rank=parallel_state.get_context_parallel_rank(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),

@@ -173,6 +173,8 @@ def transformer_config(model: ModelConfig, parallel: ParallelConfig, trainer: Tr
         pipeline_dtype=dtype,
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
+        context_parallel_size=parallel.cp,
+        cp_comm_type="p2p",  # Transformer Engine's ring exchange, the one its THD layout supports
         expert_model_parallel_size=parallel.ep,
         expert_tensor_parallel_size=parallel.expert_tp(model.is_moe),
         sequence_parallel=parallel.sequence_parallel,

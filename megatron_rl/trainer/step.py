@@ -22,6 +22,7 @@ Every rank of the trainer calls `train_step` with the same batch (the driver bro
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -74,7 +75,11 @@ class MicroBatch:
 
     Positions restart at 0 for every sequence. The row is padded to a multiple of `pad_multiple` (sequence
     parallel splits it over the TP ranks) with a padding segment of its own: it attends only to itself,
-    predicts nothing and is not in the loss.
+    predicts nothing and is not in the loss. With context parallelism (`cp` > 1) every sequence is first padded
+    to a multiple of `seq_pad_multiple` (2 x cp: its own trailing tokens, after everything real, so causal
+    attention keeps them out of every real token's view) and this rank (`cp_rank`) holds its share of every
+    segment (trainer/context_parallel.py); the head computes the log-probs of the completion tokens it holds and
+    gathers the rest from the CP group.
     """
 
     sequences: list[Sequence]
@@ -82,63 +87,106 @@ class MicroBatch:
     chunk_size: int | None = None
     """Llama-4 chunked attention: cut the RoPE layers' attention every `chunk_size` tokens of a sequence."""
     routing_shape: RoutingShape | None = None
-    """Routing replay: build `routing_TLK` and `routing_valid_T` from the sequences' records."""
+    """Routing replay: build `routing_TLK` and `routing_valid_T` from the sequences' records (this rank's tokens)."""
+    seq_pad_multiple: int = 1
+    cp: int = 1
+    cp_rank: int = 0
     input_ids: Tensor = field(init=False)
+    """[1, tokens this rank holds]."""
     position_ids: Tensor = field(init=False)
     lengths: list[int] = field(init=False)
-    """Segment lengths in the row: the sequences, then the padding (if any)."""
+    """Segment lengths of the whole row: the sequences (each padded), then the row's padding (if any)."""
+    row_tokens: int = field(init=False)
+    """Tokens of the whole row, padding included (on all CP ranks together)."""
     hidden_index_T: Tensor = field(init=False)
-    """Row of the packed hidden states that predicts each completion token."""
+    """Row position of the hidden state that predicts each completion token (the whole row's)."""
     targets_T: Tensor = field(init=False)
     seq_index_T: Tensor = field(init=False)
+    head_index_T: Tensor = field(init=False)
+    """Rows of this rank's hidden states that predict the completion tokens it holds (all of them without CP)."""
+    head_targets_T: Tensor = field(init=False)
+    cp_counts: list[int] = field(init=False)
+    """Completion tokens each CP rank predicts."""
+    cp_order: Tensor = field(init=False)
+    """The completion tokens (indices into targets_T) predicted by CP rank 0, then rank 1, ..."""
+    cp_index: Tensor = field(init=False)
+    """Row positions of this rank's tokens, in its order."""
 
     def __post_init__(self) -> None:
+        if self.pad_multiple % self.seq_pad_multiple:
+            raise ValueError(f"pad_multiple {self.pad_multiple} is not a multiple of {self.seq_pad_multiple}")
         tokens, positions, hidden_index, targets, seq_index = [], [], [], [], []
+        self.lengths = []
         for s, seq in enumerate(self.sequences):
             offset = len(tokens)
-            tokens += seq.tokens
-            positions += range(len(seq.tokens))
+            length = -(-len(seq.tokens) // self.seq_pad_multiple) * self.seq_pad_multiple
+            tokens += seq.tokens + [0] * (length - len(seq.tokens))
+            positions += range(length)
             hidden_index += range(offset + seq.num_prompt - 1, offset + len(seq.tokens) - 1)
             targets += seq.tokens[seq.num_prompt :]
             seq_index += [s] * seq.num_completion
-        self.lengths = [len(seq.tokens) for seq in self.sequences]
+            self.lengths.append(length)
         padding = -len(tokens) % self.pad_multiple
         if padding:
             tokens += [0] * padding
             positions += range(padding)
             self.lengths.append(padding)
-        self.input_ids = torch.tensor([tokens])
-        self.position_ids = torch.tensor([positions])
+        self.row_tokens = len(tokens)
         self.hidden_index_T = torch.tensor(hidden_index, dtype=torch.long)
         self.targets_T = torch.tensor(targets, dtype=torch.long)
         self.seq_index_T = torch.tensor(seq_index, dtype=torch.long)
+        self.input_ids, self.position_ids = torch.tensor([tokens]), torch.tensor([positions])
+        self.head_index_T, self.head_targets_T = self.hidden_index_T, self.targets_T
+        self.cp_counts, self.cp_order = [len(targets)], torch.arange(len(targets))
+        self.cp_index = torch.arange(self.row_tokens)
+        if self.cp > 1:
+            self._split_for_context_parallel()
         if self.routing_shape is not None:
             self.routing_TLK, self.routing_valid_T = self._routing(self.routing_shape)
 
+    def _split_for_context_parallel(self) -> None:
+        """This rank's tokens, and which completion tokens each CP rank predicts (in its local order)."""
+        from megatron_rl.trainer.context_parallel import cp_layout
+
+        layout = cp_layout(self.lengths, self.cp, self.cp_rank)
+        self.cp_index = layout.index
+        self.input_ids, self.position_ids = self.input_ids[:, layout.index], self.position_ids[:, layout.index]
+        owner_R, local_R = layout.owner_and_local()
+        owner_T, local_T = owner_R[self.hidden_index_T], local_R[self.hidden_index_T]
+        per_rank = [torch.nonzero(owner_T == r).squeeze(1) for r in range(self.cp)]
+        per_rank = [tokens[local_T[tokens].argsort()] for tokens in per_rank]  # each rank's local order
+        mine = per_rank[self.cp_rank]
+        self.head_index_T, self.head_targets_T = local_T[mine], self.targets_T[mine]
+        self.cp_counts, self.cp_order = [len(t) for t in per_rank], torch.cat(per_rank)
+
     def _routing(self, shape: RoutingShape) -> tuple[Tensor, Tensor]:
-        """The row's routing targets [tokens, layers, top-k] and which tokens the generator really routed: each
-        sequence's record, then placeholder experts 0..k-1 for its last token, the padding and filler rows."""
-        routing = np.empty((self.num_tokens, shape.layers, shape.topk), dtype=shape.dtype)
+        """The routing targets [tokens, layers, top-k] of this rank's tokens and which of them the generator really
+        routed: each sequence's record, then placeholder experts 0..k-1 for its last token, the padding and filler
+        rows."""
+        routing = np.empty((self.row_tokens, shape.layers, shape.topk), dtype=shape.dtype)
         routing[:] = np.arange(shape.topk, dtype=shape.dtype)
-        valid = np.zeros(self.num_tokens, dtype=bool)
+        valid = np.zeros(self.row_tokens, dtype=bool)
         offset = 0
-        for seq in self.sequences:
+        for seq, length in zip(self.sequences, self.lengths, strict=False):
             if seq.routing is not None:
                 routing[offset : offset + len(seq.routing)] = seq.routing
                 valid[offset : offset + len(seq.routing)] = True
-            offset += len(seq.tokens)
-        return torch.from_numpy(routing), torch.from_numpy(valid)
+            offset += length
+        routing_TLK, valid_T = torch.from_numpy(routing), torch.from_numpy(valid)
+        if self.cp > 1:
+            return routing_TLK[self.cp_index], valid_T[self.cp_index]
+        return routing_TLK, valid_T
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the row, padding included."""
+        """Tokens this rank holds of the row, padding included (the whole row without CP)."""
         return int(self.input_ids.shape[1])
 
     def packed_seq_params(self, device: torch.device) -> Any:
         """megatron's PackedSeqParams (THD) for this row, on `device`."""
         from megatron_rl.trainer.attention import packed_rows
 
-        return packed_rows(self.lengths, device, self.chunk_size)
+        return packed_rows(self.lengths, device, self.chunk_size, self.cp, self.cp_rank)
 
     def token_data(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per completion token: generator log-prob, advantage, loss mask, aggregation weight."""
@@ -187,26 +235,73 @@ def shard_for_rank(sequences: list[Sequence], num_shards: int, shard: int) -> li
     return mine
 
 
-def pack(sequences: list[Sequence], budget: int, pad_multiple: int = 1) -> list[list[Sequence]]:
-    """First-fit decreasing into rows of <= budget tokens once padded to a multiple of `pad_multiple` (a longer
-    sequence gets a row of its own; the trainer refuses those before packing)."""
+def pack(
+    sequences: list[Sequence], budget: int, pad_multiple: int = 1, seq_pad_multiple: int = 1
+) -> list[list[Sequence]]:
+    """First-fit decreasing into rows of <= budget tokens once each sequence is padded to a multiple of
+    `seq_pad_multiple` and the row to a multiple of `pad_multiple` (a longer sequence gets a row of its own; the
+    trainer refuses those before packing)."""
     rows: list[list[Sequence]] = []
     loads: list[int] = []
     for seq in sorted(sequences, key=lambda s: (-len(s.tokens), s.index)):
+        length = -(-len(seq.tokens) // seq_pad_multiple) * seq_pad_multiple
         for r, load in enumerate(loads):
-            if -(-(load + len(seq.tokens)) // pad_multiple) * pad_multiple <= budget:
+            if -(-(load + length) // pad_multiple) * pad_multiple <= budget:
                 rows[r].append(seq)
-                loads[r] += len(seq.tokens)
+                loads[r] += length
                 break
         else:
             rows.append([seq])
-            loads.append(len(seq.tokens))
+            loads.append(length)
     return rows
 
 
 def _filler() -> Sequence:
     """A two-token sequence with no loss tokens: keeps micro-batch counts equal across ranks."""
     return Sequence([0, 0], num_prompt=1, gen_logprobs=[0.0], loss_mask=[False], advantage=0.0, weight=0.0, index=-1)
+
+
+def offload_settings(opt: Any, cuda: bool) -> dict[str, Any]:
+    """megatron-core's OptimizerConfig fields for `trainer.optimizer.cpu_offload` (Megatron-LM's own rule: the
+    offloaded optimizer is the precision-aware one, whose HybridDeviceOptimizer keeps the fp32 master weights with
+    the moments). Host buffers are pinned and the copies overlap the update where there is a GPU to copy from."""
+    if not opt.cpu_offload:
+        return {}
+    return dict(
+        optimizer_cpu_offload=True,
+        optimizer_offload_fraction=opt.offload_fraction,
+        use_precision_aware_optimizer=True,
+        overlap_cpu_optimizer_d2h_h2d=cuda,
+        pin_cpu_grads=cuda,
+        pin_cpu_params=cuda,
+    )
+
+
+def _feed_fp32_device_params(optimizer: Any) -> None:
+    """Give the fp32 parameters that stay on the device their gradients, under partial offload.
+
+    megatron-core 0.19.2's offloaded (precision-aware) distributed optimizer leaves gradients in `decoupled_grad`;
+    its HybridDeviceOptimizer copies them to the host copies and to the fp32 copies of bf16 parameters, but hands
+    a parameter that is already fp32 and stays on the device (the FP32 LM head, under offload_fraction < 1) to the
+    device Adam without one, which then skips it: the head would never train. This sets their `.grad` before each
+    update."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        hybrid = getattr(inner, "optimizer", None)
+        if not isinstance(hybrid, HybridDeviceOptimizer):
+            continue
+
+        def set_grads(hybrid: Any = hybrid, original: Any = hybrid._set_sub_optimizer_grads) -> None:
+            original()
+            if hybrid.gpu_optimizer is None:
+                return
+            for group in hybrid.gpu_optimizer.param_groups:
+                for param in group["params"]:
+                    if param not in hybrid.fp32_param_to_orig_param:  # the parameter itself, not a copy
+                        param.grad = getattr(param, "decoupled_grad", None)
+
+        hybrid._set_sub_optimizer_grads = set_grads
 
 
 def count_params(model: Any) -> int:
@@ -248,8 +343,6 @@ class Trainer:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
         self.run = run
         self.info: RankInfo = init_distributed(
             run.parallel, run.trainer.seed, run.model.is_moe, timeout_s=run.collective_timeout_s
@@ -272,22 +365,15 @@ class Trainer:
             models, None, **kwargs
         )
         opt = run.trainer.optimizer
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=opt.lr,
-                min_lr=opt.lr,
-                weight_decay=opt.weight_decay,
-                adam_beta1=opt.adam_beta1,
-                adam_beta2=opt.adam_beta2,
-                adam_eps=opt.adam_eps,
-                clip_grad=opt.grad_clip,
-                bf16=run.trainer.params_dtype == "bf16",
-                params_dtype=DTYPES[run.trainer.params_dtype],
-                use_distributed_optimizer=run.parallel.distributed_optimizer,
-            ),
-            [self.ddp],
-        )
+        # With offload, megatron-core 0.19.2 hands the distributed optimizer's shards to a fresh
+        # HybridDeviceOptimizer through torch's add_param_group, which refuses the shard of an fp32 parameter (the
+        # FP32 LM head): a view of a parameter, hence a non-leaf tensor. Built without autograd recording, those
+        # views are leaves; nothing else in the construction differs.
+        building = torch.no_grad() if opt.cpu_offload else contextlib.nullcontext()
+        with building:
+            self.optimizer = self._build_optimizer(run)
+        if opt.cpu_offload:
+            _feed_fp32_device_params(self.optimizer)
         cpu_compat.apply()
         self.routing_shape: RoutingShape | None = None
         self.replays: list[Any] = []
@@ -306,6 +392,28 @@ class Trainer:
         self.optimizer_has_state = False
         """Adam state exists only after a first step (checkpoint.py initialises it before save/load)."""
         self.num_params = self._global_param_count()
+
+    def _build_optimizer(self, run: RunConfig) -> Any:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt = run.trainer.optimizer
+        return get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=opt.lr,
+                min_lr=opt.lr,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.adam_beta1,
+                adam_beta2=opt.adam_beta2,
+                adam_eps=opt.adam_eps,
+                clip_grad=opt.grad_clip,
+                bf16=run.trainer.params_dtype == "bf16",
+                params_dtype=DTYPES[run.trainer.params_dtype],
+                use_distributed_optimizer=run.parallel.distributed_optimizer,
+                **offload_settings(opt, torch.cuda.is_available()),
+            ),
+            [self.ddp],
+        )
 
     # ------------------------------------------------------------------------------------------
     @property
@@ -329,7 +437,8 @@ class Trainer:
     def _micro_batches(self, sequences: list[Sequence]) -> list[MicroBatch]:
         from megatron.core import parallel_state
 
-        budget, multiple = self.run.trainer.micro_batch_tokens, self.run.parallel.pad_multiple
+        parallel = self.run.parallel
+        budget, multiple = self.run.trainer.micro_batch_tokens, parallel.pad_multiple
         if self.routing_shape is not None:  # same batch on every rank: all raise here, before any collective
             for seq in sequences:
                 what = f"algo.routing_replay={self.run.algo.routing_replay}: completion {seq.index} of the batch"
@@ -337,22 +446,25 @@ class Trainer:
                     raise ValueError(f"{what} has no routing record (the generator returned none)")
                 self.routing_shape.check(seq.routing, len(seq.tokens) - 1, what)
         longest = max(sequences, key=lambda s: len(s.tokens))
-        if -(-len(longest.tokens) // multiple) * multiple > budget:  # same batch on every rank: all raise here
+        if parallel.padded_row([len(longest.tokens)]) > budget:  # same batch on every rank: all raise here
             raise ValueError(
-                f"trainer.micro_batch_tokens: a sequence of {len(longest.tokens)} tokens (padded to a multiple of "
-                f"{multiple}) does not fit a micro-batch of {budget} tokens; raise trainer.micro_batch_tokens or "
-                "lower the rollout's length budgets"
+                f"trainer.micro_batch_tokens: a sequence of {len(longest.tokens)} tokens (padded to "
+                f"{parallel.padded_row([len(longest.tokens)])}) does not fit a micro-batch of {budget} tokens; raise "
+                "trainer.micro_batch_tokens or lower the rollout's length budgets"
             )
         mine = shard_for_rank(
             sequences, parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
         )
-        rows = pack(mine, budget, multiple)
+        rows = pack(mine, budget, multiple, parallel.seq_pad_multiple)
         count = torch.tensor([len(rows)])
         if dist.get_world_size() > 1:  # expert-parallel all-to-alls need the same count on every rank
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
         rows += [[_filler()] for _ in range(int(count.item()) - len(rows))]
-        chunk = self.run.model.attention_chunk_size
-        return [MicroBatch(row, multiple, chunk, self.routing_shape) for row in rows]
+        chunk, cp = self.run.model.attention_chunk_size, parallel.cp
+        return [
+            MicroBatch(row, multiple, chunk, self.routing_shape, parallel.seq_pad_multiple, cp, self.info.cp_rank)
+            for row in rows
+        ]
 
     def _forward(self, model: Any, micro_batch: MicroBatch, record: dict[str, Any]) -> Tensor:
         from megatron.core import parallel_state, tensor_parallel
@@ -362,16 +474,22 @@ class Trainer:
                 hidden_states = tensor_parallel.gather_from_sequence_parallel_region(hidden_states)
             else:
                 hidden_states = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states)
-            hidden_TH = hidden_states[:, 0, :].index_select(0, micro_batch.hidden_index_T.to(hidden_states.device))
+            hidden_TH = hidden_states[:, 0, :].index_select(0, micro_batch.head_index_T.to(hidden_states.device))
             if self.run.trainer.fp32_lm_head:
                 hidden_TH = hidden_TH.float()
             logprobs_T, entropy_T = token_logprobs(
                 hidden_TH,
                 output_weight(self.model),
-                micro_batch.targets_T.to(hidden_states.device),
+                micro_batch.head_targets_T.to(hidden_states.device),
                 max(1, (self.run.trainer.logprob_chunk_mib << 20) // (4 * output_weight(self.model).shape[0])),
                 parallel_state.get_tensor_model_parallel_group(),
             )
+            if micro_batch.cp > 1:  # every CP rank computes the loss of the whole row from all its tokens
+                from megatron_rl.trainer.context_parallel import gather_tokens
+
+                group, counts = parallel_state.get_context_parallel_group(), micro_batch.cp_counts
+                logprobs_T = gather_tokens(logprobs_T, counts, micro_batch.cp_order, group)
+                entropy_T = gather_tokens(entropy_T, counts, micro_batch.cp_order, group)
             record["entropy"] = entropy_T
             return logprobs_T
 
@@ -454,11 +572,15 @@ class Trainer:
         self._run_schedule(micro_batches, forward_only=False, loss_fn=loss_fn)
         agreement = self._routing_agreement()
 
-        # The loss and metric sums live on the last pipeline stage of each data-parallel rank (TP rank 0 counts
-        # them once); every rank votes on its own gradients. One all-reduce sums both over the trainer.
+        # The loss and metric sums live on the last pipeline stage of each data-parallel rank (TP and CP rank 0
+        # count them once); every rank votes on its own gradients. One all-reduce sums both over the trainer.
         from megatron.core import parallel_state
 
-        counted = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+        counted = (
+            parallel_state.is_pipeline_last_stage()
+            and parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+        )
         totals = sums.reduce(counted, nonfinite_grads=self._nonfinite_grads())
         loss_tokens = max(totals["loss_tokens"], 1.0)
         if math.isfinite(totals["loss"]) and totals["nonfinite_grads"] == 0:

@@ -2,7 +2,7 @@
 
     python tests/integration/layout_worker.py JOBS_JSON OUT
 
-JOBS: [{"tp", "pp", "ep", "etp", "world", "ranks": [...]}, ...]. torch's fake backend lets this process be
+JOBS: [{"tp", "pp", "cp" (optional), "ep", "etp", "world", "ranks": [...]}, ...]. torch's fake backend lets this process be
 rank r of a W-rank job, so `parallel_state.initialize_model_parallel` forms the groups a cluster would (and
 raises the errors a cluster would). OUT (torch.save): per job, {"error": str} or {"ranks": {r: group info}}
 with each group's size and member ranks.
@@ -24,6 +24,7 @@ def _groups(ps) -> dict:
     return {
         "tp": ranks(ps.get_tensor_model_parallel_group()),
         "pp": ranks(ps.get_pipeline_model_parallel_group()),
+        "cp": ranks(ps.get_context_parallel_group()),
         "dp": ranks(ps.get_data_parallel_group()),
         "ep": ranks(ps.get_expert_model_parallel_group()),
         "etp": ranks(ps.get_expert_tensor_parallel_group()),
@@ -42,6 +43,7 @@ def run_job(job: dict) -> dict:
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=job["tp"],
                 pipeline_model_parallel_size=job["pp"],
+                context_parallel_size=job.get("cp", 1),
                 expert_model_parallel_size=job["ep"],
                 expert_tensor_parallel_size=job["etp"],
                 create_gloo_process_groups=False,

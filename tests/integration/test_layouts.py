@@ -39,11 +39,12 @@ def test_every_shipped_layout_forms_megatrons_groups_at_full_size(tmp_path):
         p = run.parallel
         etp = p.expert_tp(run.model.is_moe)
         world = p.trainer_devices
-        jobs.append(dict(tp=p.tp, pp=p.pp, ep=p.ep, etp=etp, world=world, ranks=list(range(world))))
+        jobs.append(dict(tp=p.tp, pp=p.pp, cp=p.cp, ep=p.ep, etp=etp, world=world, ranks=list(range(world))))
     for (name, run), formed in zip(runs.items(), _form(tmp_path, jobs), strict=True):
         assert "error" not in formed, f"{name}: {formed.get('error')}"
         p, moe = run.parallel, run.model.is_moe
-        expected = {"tp": p.tp, "pp": p.pp, "dp": p.dp, "ep": p.ep, "etp": p.expert_tp(moe), "edp": p.expert_dp(moe)}
+        expected = {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": p.dp, "ep": p.ep, "etp": p.expert_tp(moe)}
+        expected["edp"] = p.expert_dp(moe)
         for rank, groups in formed["ranks"].items():
             assert {k: len(v) for k, v in groups.items()} == expected, f"{name} rank {rank}"
             for kind in ("tp", "ep", "etp"):  # within one node of 8 GPUs when it can be (ranks fill nodes in order)
@@ -52,25 +53,29 @@ def test_every_shipped_layout_forms_megatrons_groups_at_full_size(tmp_path):
             assert groups["tp"] == list(range(rank - rank % p.tp, rank - rank % p.tp + p.tp))
 
 
-def _moe_layout(tp: int, pp: int, ep: int, etp: int, world: int) -> list[str]:
+def _moe_layout(tp: int, pp: int, ep: int, etp: int, world: int, cp: int = 1) -> list[str]:
     model = ["model.num_layers=4", "model.num_attention_heads=8", "model.num_query_groups=4", "model.kv_channels=8"]
     model += ["model.ffn_hidden_size=128", "model.moe.num_experts=8", "model.moe.ffn_hidden_size=64"]
     parallel = [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.etp={etp}"]
+    parallel += [f"parallel.cp={cp}"]
     parallel += [f"parallel.trainer_devices={world}", f"parallel.sequence_parallel={str(tp > 1).lower()}"]
     return model + parallel
 
 
 def test_config_validation_accepts_exactly_the_layouts_megatron_forms(tmp_path):
     """A model whose dimensions every size divides, so that only the layout rules decide."""
-    grid = list(itertools.product([1, 2, 4], [1, 2], [1, 2, 4, 8], [1, 2, 4], [4, 6, 8, 12, 16]))
+    grid = list(itertools.product([1, 2, 4], [1, 2], [1, 2, 4, 8], [1, 2, 4], [4, 6, 8, 12, 16], [1, 2, 3]))
     ours = {}
-    for tp, pp, ep, etp, world in grid:
+    for tp, pp, ep, etp, world, cp in grid:
         try:
-            load_config("scalerl-cpu", "tiny_moe", _moe_layout(tp, pp, ep, etp, world))
-            ours[(tp, pp, ep, etp, world)] = None
+            load_config("scalerl-cpu", "tiny_moe", _moe_layout(tp, pp, ep, etp, world, cp))
+            ours[(tp, pp, ep, etp, world, cp)] = None
         except ConfigError as exc:
-            ours[(tp, pp, ep, etp, world)] = str(exc)
-    jobs = [dict(tp=tp, pp=pp, ep=ep, etp=etp, world=world, ranks=[0, world - 1]) for tp, pp, ep, etp, world in grid]
+            ours[(tp, pp, ep, etp, world, cp)] = str(exc)
+    jobs = [
+        dict(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, world=world, ranks=[0, world - 1])
+        for tp, pp, ep, etp, world, cp in grid
+    ]
     disagree = []
     for key, formed in zip(grid, _form(tmp_path, jobs), strict=True):
         if (ours[key] is None) != ("error" not in formed):
@@ -88,6 +93,7 @@ def test_config_validation_accepts_exactly_the_layouts_megatron_forms(tmp_path):
         (["parallel.ep=3"], "parallel.ep", "num_experts=16, got 3"),
         (["parallel.trainer_devices=24"], "parallel.etp", "24 is not a multiple of etp x ep x pp = 1 x 16 x 1 = 16"),
         (["parallel.sequence_parallel=false"], "parallel.sequence_parallel", "MoE with tp > 1"),
+        (["parallel.cp=3"], "parallel.trainer_devices", "64 must be a multiple of tp x cp x pp = 4 x 3 x 1"),
     ],
 )
 def test_a_layout_megatron_cannot_form_is_refused_naming_field_and_numbers(overrides, field, numbers):

@@ -4,10 +4,12 @@
 
 SPEC: {"model": ..., "overrides": [...], "load": ckpt or null, "save": ckpt root or null,
        "steps": n, "out": file, "batch": fixed_batch() arguments, "hf": HF dir to load, "push": bool,
-       "routing": seed of random generator routing records (MoE), ...}.
+       "routing": seed of random generator routing records (MoE),
+      "cp_partition": "contiguous" to split rows over CP ranks wrongly, ...}.
 Every rank writes its results to `out.rank<r>`: log-probs of a fixed batch before training, its packed rows,
 then the loss and grad norm of each step; on request ("grads", "record_collectives", "record_checkpoints")
-the last step's gradients, what each collective received, and megatron's activation checkpoints per phase;
+the gradients of one step ("grads_step", default the last), what each collective received, and megatron's
+activation checkpoints per phase;
 with "te_standin", Transformer Engine's layer spec through trainer/te_standin.py and every call it recorded.
 """
 
@@ -180,6 +182,14 @@ def main(spec: dict) -> None:
     from megatron_rl.trainer.checkpoint import load_checkpoint, save_checkpoint
     from megatron_rl.trainer.step import Trainer, sequences_from_groups
 
+    if spec.get("cp_partition") == "contiguous":  # a deliberately wrong CP partition: rank r holds the r-th 1/cp
+        from megatron_rl.trainer import context_parallel
+
+        def contiguous(segments: list[int], cp: int, rank: int) -> list[tuple[int, int]]:
+            starts = [sum(segments[:i]) for i in range(len(segments))]
+            return [(a + rank * n // cp, a + (rank + 1) * n // cp) for a, n in zip(starts, segments, strict=True)]
+
+        context_parallel.partition = contiguous
     torch.set_num_threads(1)
     collectives = _record_collectives() if spec.get("record_collectives") else None
     checkpoints = _record_checkpoints() if spec.get("record_checkpoints") else None
@@ -245,12 +255,18 @@ def main(spec: dict) -> None:
         )
         if checkpoints is not None:
             result["checkpoints"].append(_take(checkpoints))
+        if spec.get("grads") and step == spec.get("grads_step", spec["steps"] - 1):
+            result["grads"] = {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
         if spec.get("save_after") == len(result["steps"]):
             save_checkpoint(trainer, spec["save"], {"note": "test"})
+    if spec.get("dump_final"):  # every parameter after the steps
+        final = {k: v.detach().clone() for k, v in trainer.model.state_dict().items() if isinstance(v, torch.Tensor)}
+        torch.save(final, f"{spec['dump_final']}.rank{torch.distributed.get_rank()}")
+        result["optimizer"] = type(trainer.optimizer.optimizer).__name__
     if spec.get("save") and not spec.get("save_after"):
         save_checkpoint(trainer, spec["save"], {"note": "test"})
-    if spec.get("grads"):  # this rank's gradients of the last step (megatron's fp32 main_grad buffers)
-        result["grads"] = {n: p.main_grad.detach().clone() for n, p in trainer.model.named_parameters()}
+    if spec.get("grads"):  # this rank's gradients of step `grads_step` (megatron's fp32 main_grad buffers; default:
+        # the last step), recorded above
         result["tp_dims"] = {  # the dimension a TP-split parameter is split along
             n: p.partition_dim
             for n, p in trainer.model.named_parameters()
@@ -271,6 +287,7 @@ def main(spec: dict) -> None:
 
         result["te_calls"] = [(c.cls, c.method, c.arguments) for c in te_standin.CALLS]
         result["layer_types"] = sorted({type(m).__name__ for m in trainer.model.modules()})
+    result["ep_rank"] = trainer.info.ep_rank
     rank = torch.distributed.get_rank()
     torch.save(result, f"{spec['out']}.rank{rank}")
 
