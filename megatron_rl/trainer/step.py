@@ -343,6 +343,7 @@ class Trainer:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
+
         self.run = run
         self.info: RankInfo = init_distributed(
             run.parallel, run.trainer.seed, run.model.is_moe, timeout_s=run.collective_timeout_s

@@ -3,9 +3,8 @@
     python tests/integration/layout_worker.py JOBS_JSON OUT
 
 JOBS: [{"tp", "pp", "cp" (optional), "ep", "etp", "world", "ranks": [...]}, ...]. torch's fake backend lets this
-process be
-rank r of a W-rank job, so `parallel_state.initialize_model_parallel` forms the groups a cluster would (and
-raises the errors a cluster would). OUT (torch.save): per job, {"error": str} or {"ranks": {r: group info}}
+process be rank r of a W-rank job, so `parallel_state.initialize_model_parallel` forms the groups a cluster would
+(and raises the errors a cluster would). OUT (torch.save): per job, {"error": str} or {"ranks": {r: group info}}
 with each group's size and member ranks.
 """
 
