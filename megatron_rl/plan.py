@@ -12,9 +12,13 @@ first rank of the full world under torch's fake process-group backend, so every 
     optimizer    fp32 main parameters (bf16 runs) + Adam m and v: 12 B per parameter (8 for fp32 runs), divided
                  by DP for dense parameters and by expert-DP for expert parameters with the distributed
                  optimizer (megatron-LM's theoretical count: 6 + 12/dp bytes per parameter for bf16)
-    activations  tensors saved for backward of the longest row (`trainer.micro_batch_tokens` tokens), per layer
-                 by `layer_activation_bytes`, times the layers holding them under `trainer.recompute`, times
-                 the micro-batches in flight (1F1B: pp on the first stage)
+    optimizer    with `trainer.optimizer.cpu_offload`, `offload_fraction` of it moves to the host, 16 B per
+                 offloaded parameter there (megatron's HybridDeviceOptimizer: fp32 copy, fp32 gradient copy,
+                 Adam m and v), counted per node against `compute.host_memory_gib`
+    activations  tensors saved for backward of the longest row (`trainer.micro_batch_tokens` tokens, 1/cp of them
+                 per rank under context parallelism), per layer by `layer_activation_bytes`, times the layers
+                 holding them under `trainer.recompute`, times the micro-batches in flight (1F1B: pp on the first
+                 stage); under CP, Llama-4's chunked layers also keep the whole row's gathered keys and values
     backward     the gradients the backward of one layer holds beside what it saved (its MLP's intermediates:
                  fc1 output and activation), for the layer where they are largest
     log-probs    the fp32 head path: fp32 hidden states of the row and their gradient, the logits chunks, and the
@@ -50,6 +54,11 @@ RESERVE_GIB = 3.0
 """(ours) CUDA context (~0.5 GiB), NCCL communicators and buffers (~1-2 GiB), allocator fragmentation."""
 EXPERT_LOAD_FACTOR = 1.5
 """(ours) Tokens an expert-parallel rank processes relative to a perfectly balanced share (dropless routing)."""
+HOST_OPTIMIZER_BYTES = 16.0
+"""Host bytes per offloaded parameter in megatron-core's HybridDeviceOptimizer: its fp32 copy, the fp32 gradient
+buffer it copies into, and Adam's two fp32 moments."""
+GPUS_PER_NODE = 8
+"""Trainer ranks that share one node's host memory (the plan's --allocation gives the real count)."""
 ENGINE_RESERVE_GIB = 4.0
 """(ours) What an SGLang engine needs outside its static pool: CUDA graphs, sampling buffers, activations."""
 
@@ -76,16 +85,26 @@ class LayerShape:
     moe_topk: int = 1
     moe_ffn: int = 0
     moe_shared_ffn: int = 0
+    chunked: bool = False
+    """Llama-4 chunked local attention: under context parallelism its keys and values are all-gathered over the CP
+    group (trainer/context_parallel.py), and the gathered row is kept for the backward."""
 
 
 def layer_activation_bytes(
-    shape: LayerShape, tokens: int, tp: int = 1, sp: bool = False, etp: int = 1, recompute_modules: tuple = ()
+    shape: LayerShape,
+    tokens: float,
+    tp: int = 1,
+    sp: bool = False,
+    etp: int = 1,
+    recompute_modules: tuple = (),
+    cp: int = 1,
 ) -> float:
     """Bytes saved for backward by one layer on one rank (bf16 activations, fp32 router and softmax stats).
 
-    Sequence parallel divides what lives outside the TP region (norm inputs, the inputs of the first linear
-    layers, dropout masks) by tp; tensors inside it (q, k, v, attention output, MLP intermediates) are /tp
-    either way. `recompute_modules` (selective recompute) drops what megatron recomputes instead of saving.
+    `tokens` are the rank's: a row's tokens / cp under context parallelism. Sequence parallel divides what lives
+    outside the TP region (norm inputs, the inputs of the first linear layers, dropout masks) by tp; tensors
+    inside it (q, k, v, attention output, MLP intermediates) are /tp either way. `recompute_modules` (selective
+    recompute) drops what megatron recomputes instead of saving.
     """
     s, h, b = float(tokens), float(shape.hidden), 2.0
     outside = tp if sp else 1
@@ -102,6 +121,8 @@ def layer_activation_bytes(
             saved += b * scores + ((1.0 + b) * scores if shape.dropout else 0.0)  # softmax; dropout mask + output
         saved += b * s * q_width
     saved += (s * h / outside) if shape.dropout else 0.0
+    if shape.chunked and cp > 1 and "core_attn" not in recompute_modules:
+        saved += 2 * b * s * cp * kv_width  # the whole row's gathered keys and values
     # MLP block: norm input, fc1 input (the norm's output).
     saved += b * s * h / outside * (1 if "layernorm" in recompute_modules else 2)
     saved += (s * h / outside) if shape.dropout else 0.0
@@ -125,17 +146,22 @@ def layer_shapes(model: ModelConfig) -> list[LayerShape]:
     """One LayerShape per layer of `model` (MoE layers every `moe.layer_freq`)."""
     dense = LayerShape(model.hidden_size, model.num_attention_heads, model.num_query_groups, model.head_dim,
                        model.ffn_hidden_size)  # fmt: skip
+    if model.attention_chunk_size is not None:  # HF: NoPE (unchunked) when (i + 1) % no_rope_freq == 0
+        nope = model.no_rope_freq or 0
+        chunked = [not (nope and (i + 1) % nope == 0) for i in range(model.num_layers)]
+        dense = [dataclasses.replace(dense, chunked=c) for c in chunked]
+    else:
+        dense = [dense] * model.num_layers
     if not model.is_moe:
-        return [dense] * model.num_layers
+        return dense
     assert model.moe.num_experts is not None
-    moe = dataclasses.replace(
-        dense,
+    moe = dict(
         moe_experts=model.moe.num_experts,
         moe_topk=model.moe.router_topk,
         moe_ffn=model.moe.ffn_hidden_size or model.ffn_hidden_size,
         moe_shared_ffn=model.moe.shared_expert_ffn_hidden_size or 0,
     )
-    return [moe if (i + 1) % model.moe.layer_freq == 0 else dense for i in range(model.num_layers)]
+    return [dataclasses.replace(d, **moe) if (i + 1) % model.moe.layer_freq == 0 else d for i, d in enumerate(dense)]
 
 
 def stage_activation_bytes(run: RunConfig, stage: int) -> float:
@@ -143,10 +169,10 @@ def stage_activation_bytes(run: RunConfig, stage: int) -> float:
     p, rc = run.parallel, run.trainer.recompute
     per_stage = run.model.num_layers // p.pp
     shapes = layer_shapes(run.model)[stage * per_stage : (stage + 1) * per_stage]
-    tokens = run.trainer.micro_batch_tokens
+    tokens = run.trainer.micro_batch_tokens / p.cp
     etp = p.expert_tp(run.model.is_moe)
     modules = tuple(rc.modules) if rc.granularity == "selective" else ()
-    full = [layer_activation_bytes(s, tokens, p.tp, p.sequence_parallel, etp, modules) for s in shapes]
+    full = [layer_activation_bytes(s, tokens, p.tp, p.sequence_parallel, etp, modules, p.cp) for s in shapes]
     layer_input = 2.0 * tokens * run.model.hidden_size / (p.tp if p.sequence_parallel else 1)
     if rc.granularity != "full":
         held = sum(full)
@@ -160,7 +186,7 @@ def stage_activation_bytes(run: RunConfig, stage: int) -> float:
     return held * in_flight + max(layer_backward_bytes(s, tokens, p.tp, etp) for s in shapes)
 
 
-def layer_backward_bytes(shape: LayerShape, tokens: int, tp: int = 1, etp: int = 1) -> float:
+def layer_backward_bytes(shape: LayerShape, tokens: float, tp: int = 1, etp: int = 1) -> float:
     """Gradients one layer's backward holds at its peak beside the saved tensors: those of its MLP intermediates
     (fc1 output, gated, and the activation's output), bf16. The other gradients of a layer are [tokens, hidden]
     and smaller. Measured on one H200 (benchmarks/README.md, GPU smoke): without this term the plan fell short of
@@ -177,7 +203,7 @@ def layer_backward_bytes(shape: LayerShape, tokens: int, tp: int = 1, etp: int =
 def logprob_bytes(run: RunConfig, vocab_per_rank: int) -> float:
     """The fp32 head path on the last stage: gathered hidden states and their gradient, logits chunks, and the
     head's weight gradient, which the chunked backward accumulates in fp32 whatever the head's dtype."""
-    tokens, h = run.trainer.micro_batch_tokens, run.model.hidden_size
+    tokens, h = run.trainer.micro_batch_tokens / run.parallel.cp, run.model.hidden_size
     chunk_tokens = max(1, (run.trainer.logprob_chunk_mib << 20) // (4 * vocab_per_rank))
     return 2 * 4.0 * tokens * h + 3 * 4.0 * chunk_tokens * vocab_per_rank + 4.0 * vocab_per_rank * h
 
@@ -263,6 +289,7 @@ def stage_parameters(run: RunConfig, stage: int) -> StageParameters:
             ps.initialize_model_parallel(
                 tensor_model_parallel_size=p.tp,
                 pipeline_model_parallel_size=p.pp,
+                context_parallel_size=p.cp,
                 expert_model_parallel_size=p.ep,
                 expert_tensor_parallel_size=p.expert_tp(run.model.is_moe),
                 create_gloo_process_groups=False,
@@ -365,6 +392,8 @@ class RankMemory:
     """The weight push's transient on the stage's busiest rank (rank 0 on stage 0): between steps, so it
     competes with the step's activations and log-probs, not in addition to them."""
     reserve: float = RESERVE_GIB * GIB
+    optimizer_host: float = 0.0
+    """Optimizer state this rank keeps in host memory (`trainer.optimizer.cpu_offload`)."""
 
     @property
     def total(self) -> float:
@@ -443,7 +472,8 @@ def routing_memory(run: RunConfig, engine: EngineMemory | None) -> RoutingMemory
     batch = float(per_token * r.prompts_per_step * r.generations_per_prompt * r.context_length)
     pool_tokens = int(max(engine.pool, 0.0) // engine.kv_per_token) if engine is not None else 0
     chunk = SGLANG_CHUNKED_PREFILL_TOKENS
-    local = run.trainer.micro_batch_tokens // (run.parallel.tp if run.parallel.sequence_parallel else 1)
+    p = run.parallel
+    local = run.trainer.micro_batch_tokens // p.cp // (p.tp if p.sequence_parallel else 1)
     return RoutingMemory(
         per_token=per_token,
         batch=batch,
@@ -474,6 +504,17 @@ class Plan:
     def fits(self) -> bool:
         return not self.problems
 
+    @property
+    def node_ranks(self) -> int:
+        return min(self.run.parallel.trainer_devices, GPUS_PER_NODE)
+
+    @property
+    def host_per_node(self) -> float:
+        """Host memory the trainer ranks of one node need beyond their processes: offloaded optimizer state and a
+        step's routing records (each rank holds its own)."""
+        records = self.routing.batch if self.routing is not None else 0.0
+        return self.node_ranks * (max(r.optimizer_host for r in self.ranks) + records)
+
 
 def rank_memory(run: RunConfig, stage: int, params: StageParameters, push: PushMemory) -> RankMemory:
     p, moe = run.parallel, run.model.is_moe
@@ -481,17 +522,18 @@ def rank_memory(run: RunConfig, stage: int, params: StageParameters, push: PushM
     local = params.dense + params.expert
     weights = body * (local - params.fp32) + 4.0 * params.fp32
     main_and_adam = 12.0 if run.trainer.params_dtype == "bf16" else 8.0
-    if p.distributed_optimizer:
-        optimizer = main_and_adam * (params.dense / p.dp + params.expert / p.expert_dp(moe))
-    else:
-        optimizer = main_and_adam * local
+    # the distributed optimizer shards over the data-parallel ranks, context-parallel ones included
+    shard = params.dense / (p.dp * p.cp) + params.expert / p.expert_dp(moe) if p.distributed_optimizer else local
+    opt = run.trainer.optimizer
+    offloaded = opt.offload_fraction if opt.cpu_offload else 0.0
     return RankMemory(
         stage=stage,
         dense_params=params.dense,
         expert_params=params.expert,
         weights=weights,
         gradients=4.0 * local,
-        optimizer=optimizer,
+        optimizer=main_and_adam * shard * (1.0 - offloaded),
+        optimizer_host=HOST_OPTIMIZER_BYTES * shard * offloaded,
         activations=stage_activation_bytes(run, stage),
         logprobs=logprob_bytes(run, params.vocab_per_rank) if params.last else 0.0,
         push=push.rank0 if stage == 0 else push.other,
@@ -548,6 +590,14 @@ def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
                 f"(weights {rank.weights / GIB:.1f} + gradients {rank.gradients / GIB:.1f} + optimizer "
                 f"{rank.optimizer / GIB:.1f} + {transient} + reserve {rank.reserve / GIB:.1f})"
             )
+    host = run.compute.host_memory_gib * GIB
+    if plan.host_per_node > host:
+        plan.problems.append(
+            f"trainer host memory: {plan.host_per_node / GIB:.0f} GiB per node of {plan.node_ranks} trainer GPUs "
+            f"(offloaded optimizer state {max(r.optimizer_host for r in ranks) / GIB:.1f} GiB per rank"
+            + (f", routing records {plan.routing.batch / GIB:.1f} GiB per rank" if plan.routing else "")
+            + f") > compute.host_memory_gib={run.compute.host_memory_gib:.0f}"
+        )
     if engine is not None:
         need = engine.kv_per_token * engine.longest
         if engine.pool < need or engine.weights + ENGINE_RESERVE_GIB * GIB > device:
@@ -595,6 +645,12 @@ def _candidates(run: RunConfig) -> list[tuple[str, list[str]]]:
             etp = p.expert_tp(True) * 2
             out.append((f"{devices} trainer GPUs, expert TP {etp}", [f"parallel.trainer_devices={devices}",
                                                                     f"parallel.etp={etp}"]))  # fmt: skip
+    out.append((f"CP {p.cp * 2}", [f"parallel.cp={p.cp * 2}"]))  # the same GPUs: DP / 2
+    cp_devices = p.trainer_devices * 2
+    out.append((f"{cp_devices} trainer GPUs, CP {p.cp * 2}", [f"parallel.trainer_devices={cp_devices}",
+                                                               f"parallel.cp={p.cp * 2}"]))  # fmt: skip
+    if not run.trainer.optimizer.cpu_offload and p.distributed_optimizer:
+        out.append(("optimizer offload", ["trainer.optimizer.cpu_offload=true"]))
     out.append((f"TP {p.tp * 2} + SP", [f"parallel.tp={p.tp * 2}", "parallel.sequence_parallel=true"]))
     out.append((f"PP {p.pp * 2}", [f"parallel.pp={p.pp * 2}"]))
     if m.is_moe and m.moe.num_experts and p.ep * 2 <= m.moe.num_experts:
@@ -623,7 +679,9 @@ def format_plan(plan: Plan) -> str:
     """The plan as a table: one row per trainer stage and one for the engines, in GiB."""
     run, p = plan.run, plan.run.parallel
     lines = [
-        f"memory plan: {run.model.name} on {p.trainer_devices} trainer GPUs (TP {p.tp} x PP {p.pp} x DP {p.dp}; "
+        f"memory plan: {run.model.name} on {p.trainer_devices} trainer GPUs (TP {p.tp} x "
+        + (f"CP {p.cp} x " if p.cp > 1 else "")
+        + f"PP {p.pp} x DP {p.dp}; "
         f"EP {p.ep} x ETP {p.expert_tp(run.model.is_moe)} x EDP {p.expert_dp(run.model.is_moe)}), "
         f"recompute {run.trainer.recompute.granularity}, SP {'on' if p.sequence_parallel else 'off'}, "
         f"rows of {run.trainer.micro_batch_tokens} tokens; device {plan.device / GIB:.1f} GiB",
@@ -656,6 +714,14 @@ def format_plan(plan: Plan) -> str:
             f"routing replay: {rt.per_token} B per token; a step's records at most {rt.batch / GIB:.2f} GiB on each "
             f"trainer rank's host; engine host cache {rt.engine_host / GIB:.2f} GiB, device "
             f"{rt.engine_device / 2**20:.0f} MiB; trainer device {rt.trainer_device / 2**20:.1f} MiB per MoE layer"
+        )
+    if run.trainer.optimizer.cpu_offload:
+        host = max(r.optimizer_host for r in plan.ranks)
+        lines.append(
+            f"optimizer offload: {run.trainer.optimizer.offload_fraction:g} of the Adam state on the host, "
+            f"{host / GIB:.1f} GiB per rank ({HOST_OPTIMIZER_BYTES:.0f} B per offloaded parameter); the trainer ranks "
+            f"of a node need {plan.host_per_node / GIB:.0f} GiB of compute.host_memory_gib="
+            f"{run.compute.host_memory_gib:.0f}"
         )
     lines += [f"warning: {w}" for w in plan.warnings]
     if plan.fits:

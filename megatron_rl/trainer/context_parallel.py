@@ -18,7 +18,9 @@ layers (Transformer Engine's CP attention has no chunked local attention): all-g
 group (Transformer Engine's all-gather variant; the backward reduce-scatters their gradients), put them back in
 row order, and attend with the rank's own queries. Each of its query runs (a chunk of a segment, cut again at
 Llama-4 chunk starts on chunked layers) attends to the keys from its segment's (or attention chunk's) start to
-its own last position: causal aligned to the lower right, so no mask is materialised on GPUs.
+its own last position: causal aligned to the lower right, so no mask is materialised on GPUs. The gathered keys
+and values of the whole row stay alive for the backward (2 x row x query groups x head dim per layer, counted
+by the memory plan) unless core attention is recomputed.
 """
 
 from __future__ import annotations
@@ -127,11 +129,9 @@ def attend(
     gather_index = layout.gather_index.to(key_T.device)
     key_T = _gather_rows(key_T.contiguous(), group).index_select(0, gather_index)  # row order
     value_T = _gather_rows(value_T.contiguous(), group).index_select(0, gather_index)
-    repeat = query_T.shape[1] // key_T.shape[1]
-    if repeat > 1:  # GQA, after the exchange: the wire carries the query groups only
-        key_T = key_T.repeat_interleave(repeat, dim=1)
-        value_T = value_T.repeat_interleave(repeat, dim=1)
     from torch.nn.attention.bias import causal_lower_right
+
+    gqa = query_T.shape[1] != key_T.shape[1]  # keys and values stay at the query groups: no repeated copies
 
     outputs = []
     for run in runs:
@@ -139,7 +139,7 @@ def attend(
         keys = slice(run.key_start, run.first + length)
         q, k, v = (x.transpose(0, 1)[None] for x in (query_T[run.start : run.end], key_T[keys], value_T[keys]))
         mask = causal_lower_right(length, keys.stop - keys.start)
-        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)[0])
+        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)[0])
     out_T = torch.cat(outputs, dim=1).transpose(0, 1)
     return out_T.reshape(out_T.shape[0], -1)
 

@@ -347,12 +347,17 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_scale = kwargs.get("softmax_scale") or 1.0 / math.sqrt(k_channels)
         if kwargs.get("attention_dropout"):
             _refuse("DotProductAttention", "attention dropout is not modelled by the stand-in")
-        if (kwargs.get("cp_group") is not None) and torch.distributed.get_world_size(kwargs["cp_group"]) > 1:
-            _refuse("DotProductAttention", "context parallelism is not modelled by the stand-in")
+        self.cp_group = None
+        self.set_context_parallel_group(kwargs.get("cp_group"), None, None, kwargs.get("cp_comm_type", "p2p"))
 
-    def set_context_parallel_group(self, *args: Any, **kwargs: Any) -> None:
-        if args and args[0] is not None and torch.distributed.get_world_size(args[0]) > 1:
-            _refuse("DotProductAttention", "context parallelism is not modelled by the stand-in")
+    def set_context_parallel_group(self, cp_group: Any, *args: Any, **kwargs: Any) -> None:
+        """TE's context parallelism for THD: the rank's share of every segment (2 x cp chunks, its r and 2cp-1-r),
+        keys and values exchanged over the group (modelled by an all-gather, trainer/context_parallel.py)."""
+        comm = kwargs.get("cp_comm_type", args[2] if len(args) > 2 else "p2p")
+        if cp_group is not None and torch.distributed.get_world_size(cp_group) > 1:
+            if comm != "p2p":
+                _refuse("DotProductAttention", f"cp_comm_type {comm!r}: the stand-in models p2p (TE's THD default)")
+            self.cp_group = cp_group
 
     def forward(self, query_layer: Tensor, key_layer: Tensor, value_layer: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         names = SIGNATURES["DotProductAttention"]["forward"]["positional"][3:]
@@ -395,6 +400,8 @@ class DotProductAttention(torch.nn.Module):
             value = arguments.get(name)
             if value is not None and value < longest:
                 _refuse("DotProductAttention", f"{name} {value} below the longest segment of cu_seqlens ({longest})")
+        if self.cp_group is not None:
+            return self._context_parallel(q, k, v, arguments, mask)
         repeat = q.shape[1] // k.shape[1]
         if repeat > 1:
             k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -406,6 +413,24 @@ class DotProductAttention(torch.nn.Module):
                 out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, scale=self.softmax_scale)
                 outputs.append(out[0])
         return torch.cat(outputs, dim=1).transpose(0, 1).reshape(q.shape[0], -1)
+
+    def _context_parallel(self, q: Tensor, k: Tensor, v: Tensor, arguments: dict[str, Any], mask: str) -> Tensor:
+        """TE's THD rules under context parallelism: cu_seqlens (padded ones where given) describe the whole row,
+        every segment a multiple of 2 x cp tokens, and this rank holds row tokens / cp of them."""
+        from megatron_rl.trainer.context_parallel import attend, cp_layout
+
+        cp, rank = torch.distributed.get_world_size(self.cp_group), torch.distributed.get_rank(self.cp_group)
+        padded = arguments.get("cu_seqlens_q_padded")
+        bounds = (padded if padded is not None else arguments["cu_seqlens_q"]).tolist()
+        segments = [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        if any(n % (2 * cp) for n in segments):
+            _refuse("DotProductAttention", f"THD with context parallelism: segments {segments} not multiples of 2 x cp")
+        if bounds[-1] != q.shape[0] * cp:
+            _refuse("DotProductAttention", f"{q.shape[0]} local tokens for a row of {bounds[-1]} at cp {cp}")
+        if "causal" not in mask:
+            _refuse("DotProductAttention", f"attn_mask_type {mask!r}: the stand-in models causal context parallelism")
+        layout = cp_layout(segments, cp, rank)
+        return attend(q, k, v, layout, self.softmax_scale, False, self.cp_group)
 
 
 def get_cpu_offload_context(enabled: bool = False, *args: Any, **kwargs: Any) -> tuple[Any, Any]:

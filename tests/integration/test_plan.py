@@ -165,3 +165,39 @@ def test_a_kv_pool_short_of_the_sequences_in_flight_warns_but_fits():
     assert "8 of the 24 sequences in flight per engine fit at 16384 tokens each" in result.stdout
     assert "warning: engine: the KV pool holds 8 of the 24 sequences in flight per engine" in result.stdout
     assert "plan: fits" in result.stdout
+
+
+OFFLOAD_HALF = ["trainer.optimizer.cpu_offload=true", "trainer.optimizer.offload_fraction=0.5"]
+LONG_CONTEXT = {  # README "Long contexts": every row fits with a tenth of the device free
+    "llama3_8b_32k": ("--recipe", "scalerl-32k", "--model", "llama3_8b"),
+    "scout_32k": ("--recipe", "scalerl-32k", "--model", "llama4_scout_17bx16e", *OFFLOAD_HALF),
+    "scout_64k": ("--recipe", "scalerl-64k", "--model", "llama4_scout_17bx16e", *OFFLOAD_HALF),
+    "scout_16_gpus": ("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16",
+                      "trainer.optimizer.cpu_offload=true"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(LONG_CONTEXT))
+def test_long_context_and_offload_layouts_fit_with_a_tenth_of_the_device_free(name):
+    result = _plan(*LONG_CONTEXT[name])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert _total(result.stdout) <= 0.9 * 79.6
+    assert "GPU build: Transformer Engine" in result.stdout  # megatron's TE spec built with the layout's CP
+    if name == "llama3_8b_32k":  # 32 layers of 16,448 tokens per rank (TP 2 + SP, CP 2) + one MLP backward
+        s, t = 32896 / 2, 2
+        layer = s / t * (2 * 4096 * 2 + 2 * (4096 + 2048) + 2 * 4096 + 4 * 32 + 2 * 4096 * 2 + 2 * 3 * 14336)
+        activations = (32 * layer + 2 * s * 3 * 14336 / t) / 2**30
+        row = re.search(r"trainer PP0 +\S+ +\S+ +\S+ +\S+ +(\d+\.\d)", result.stdout)
+        assert float(row.group(1)) == pytest.approx(activations, abs=0.05)
+    if "offload" in " ".join(LONG_CONTEXT[name]):
+        assert re.search(r"optimizer offload: .* GiB per rank .* node need \d+ GiB", result.stdout)
+
+
+def test_a_long_row_without_context_parallel_is_refused_with_cp_and_offload_among_the_fixes():
+    result = _plan("--recipe", "scalerl-32k", "--model", "llama4_scout_17bx16e", "parallel.cp=1")
+    assert result.returncode == 2
+    assert "fits with: CP 2 (parallel.cp=2)" in result.stdout
+    assert "fits with: optimizer offload (trainer.optimizer.cpu_offload=true)" in result.stdout
+    host = _plan("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "trainer.optimizer.cpu_offload=true",
+                 "compute.host_memory_gib=512")  # fmt: skip
+    assert host.returncode == 2 and "trainer host memory: 803 GiB per node of 8 trainer GPUs" in host.stdout

@@ -77,11 +77,17 @@ def test_the_te_spec_gives_transformers_log_probs(name, tiny_models, tmp_path):
     [
         ("tiny_qwen3", ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.trainer_devices=2"]),
         ("tiny_moe", ["parallel.ep=2", "parallel.trainer_devices=2"]),
+        ("tiny_qwen3", ["parallel.cp=2", "parallel.trainer_devices=2"]),
+        ("tiny_llama4", ["parallel.cp=2", "parallel.trainer_devices=2"]),
     ],
+    ids=["qwen3_tp2_sp", "moe_ep2", "qwen3_cp2", "llama4_cp2"],
 )
 def test_the_te_spec_at_tp2_sp_and_ep2_equals_one_rank(name, layout, tiny_models, tmp_path):
+    """Context parallel: Transformer Engine's attention gets the whole row's cu_seqlens and the rank's share of
+    the tokens (TE's own exchange on GPUs); Llama-4's chunked layers use the trainer's exchange on either spec."""
+    lr = ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0"]
     base = {"model": name, "hf": str(tiny_models[name]), "batch": BATCH, "te_standin": True, "steps": 2,
-            "overrides": TE + ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0"]}  # fmt: skip
+            "overrides": TE + FAMILIES[name] + lr}  # fmt: skip
     (one,) = _run(tmp_path, "one", {**base, "overrides": base["overrides"] + SINGLE})
     split = _run(tmp_path, "split", {**base, "overrides": base["overrides"] + SINGLE[:3] + layout}, world=2)
     for rank in split:

@@ -119,6 +119,23 @@ def test_row_budget_counts_the_interruption_phrase_and_sp_padding_at_start():
     assert load_config("scalerl", "tiny_dense").trainer.micro_batch_tokens >= 16384 + 20  # ScaleRL's row fits
 
 
+def test_context_parallel_layouts_and_rows_are_checked_at_config():
+    """CP multiplies the dense layout (world = tp x cp x pp x dp) and cuts every sequence into 2 x cp chunks: a row
+    budget that cannot hold the longest sequence so padded is refused with the rule."""
+    with pytest.raises(
+        ConfigError, match=r"parallel.trainer_devices.*6 must be a multiple of tp x cp x pp = 1 x 4 x 1"
+    ):
+        load_config("scalerl-cpu", "cpu_demo", ["parallel.cp=4", "parallel.trainer_devices=6"])
+    with pytest.raises(ConfigError, match=r"parallel.cp: must be >= 1"):
+        load_config("scalerl-cpu", "cpu_demo", ["parallel.cp=0"])
+    run = load_config("scalerl", "llama4_scout_17bx16e", ["parallel.cp=2", "trainer.micro_batch_tokens=16400"])
+    assert run.parallel.dp == 8 and run.parallel.pad_multiple == 16  # 2 x cp chunks, each rank's part over TP 4
+    with pytest.raises(ConfigError, match=r"16400 cannot hold .*\(16416 padded to 2 x cp = 4 chunks per sequence "
+                       r"\(parallel.cp=2\), rows a multiple of 16\)"):  # fmt: skip
+        run.check_row_budget(phrase_tokens=17)
+    assert run.parallel.padded_row([16399, 5]) == 16416
+
+
 def test_gpu_kernels_follow_transformer_engine_unless_forced(monkeypatch):
     import megatron.core.transformer
     from megatron.core.transformer import TransformerConfig

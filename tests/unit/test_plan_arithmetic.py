@@ -113,3 +113,56 @@ def test_routing_records_cost_layers_times_topk_bytes_per_token():
         pool_tokens = int(plan.engine.pool // plan.engine.kv_per_token)
         assert plan.routing.engine_host == 4 * pool_tokens * per_token
     assert make_plan(load_config("scalerl", "qwen3_30b_a3b", [])).routing is None
+
+
+def _llama3_8b_layer_by_hand(s: float, t: int) -> float:
+    """Llama-3-8B's layer at TP t + SP, `s` tokens on the rank, from what each op saves (as above)."""
+    return (
+        2 * s * 4096 / t * 2
+        + 2 * s * (4096 + 2 * 1024) / t
+        + 2 * s * 4096 / t
+        + 4 * s * 32 / t
+        + 2 * s * 4096 / t * 2
+        + 2 * s * 2 * 14336 / t
+        + 2 * s * 14336 / t
+    )
+
+
+@pytest.mark.parametrize(("row", "cp"), [(32896, 2), (65664, 4)])
+def test_context_parallel_ranks_hold_their_share_of_the_row(row, cp):
+    """The paper's 32k axis and 64k: a CP rank saves what a rank without CP saves for row / cp tokens."""
+    shape = LayerShape(4096, 32, 8, 128, 14336)
+    got = layer_activation_bytes(shape, row / cp, tp=2, sp=True, cp=cp)
+    assert got == pytest.approx(_llama3_8b_layer_by_hand(row / cp, 2), rel=1e-12)
+
+
+def test_chunked_layers_under_context_parallel_keep_the_gathered_row():
+    """Scout's chunked (RoPE) layers all-gather keys and values over the CP group and keep the whole row's for the
+    backward: 2 tensors x 2 B x row x 8 query groups x 128 / TP, unless core attention is recomputed."""
+    scout = LayerShape(5120, 40, 8, 128, 16384, chunked=True)
+    row, cp, tp = 65664, 4, 4
+    plain = layer_activation_bytes(scout, row / cp, tp=tp, sp=True, cp=1)
+    assert layer_activation_bytes(scout, row / cp, tp=tp, sp=True, cp=cp) - plain == 2 * 2 * row * 8 * 128 / tp
+    recomputed = layer_activation_bytes(scout, row / cp, tp=tp, sp=True, cp=cp, recompute_modules=("core_attn",))
+    assert recomputed == layer_activation_bytes(scout, row / cp, tp=tp, sp=True, recompute_modules=("core_attn",))
+
+
+@pytest.mark.parametrize("fraction", [0.5, 1.0])
+def test_optimizer_offload_moves_its_share_of_the_adam_state_to_the_host(fraction):
+    """Device: 12 B per parameter of the rank's optimizer shard (fp32 copy, m, v) for what stays; host: 16 B per
+    offloaded parameter (HybridDeviceOptimizer: fp32 copy, fp32 gradient buffer, m, v). Shards: dense parameters
+    over DP x CP, expert parameters over expert DP (megatron-core's distributed optimizer)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.plan import PushMemory, StageParameters, rank_memory
+
+    overrides = [
+        "parallel.cp=2",
+        "trainer.optimizer.cpu_offload=true",
+        f"trainer.optimizer.offload_fraction={fraction}",
+    ]
+    run = load_config("scalerl", "llama4_scout_17bx16e", overrides)  # 64 GPUs: TP 4 x CP 2 x DP 8, EP 16 x EDP 4
+    params = StageParameters(dense=2_000_000_000, expert=6_000_000_000, fp32=0, vocab_per_rank=0, last=False)
+    memory = rank_memory(run, 0, params, PushMemory(0.0, "", 0.0, 0.0, 0.0))
+    shard = 2e9 / (8 * 2) + 6e9 / 4
+    assert memory.optimizer == pytest.approx(12 * shard * (1 - fraction))
+    assert memory.optimizer_host == pytest.approx(16 * shard * fraction)

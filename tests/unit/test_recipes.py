@@ -20,6 +20,8 @@ EXPECTED = {
     "scalerl-cpu",
     "multitask",
     "multitask-cpu",
+    "scalerl-32k",
+    "scalerl-64k",
 }
 
 
