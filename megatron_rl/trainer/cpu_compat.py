@@ -23,11 +23,12 @@ What is patched, and why (docs/cpu.md §3):
 3. `torch.Tensor.type()` without arguments reports CPU float tensors as `torch.cuda.*Tensor`: the
    distributed and mixed-precision optimizers refuse parameters whose type string is not a CUDA one.
 4. `torch.Tensor.cuda()` returns the tensor itself (a few megatron paths move buffers explicitly).
-5. `megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer._get_sub_optimizer_param_groups` (optimizer
-   CPU offload): megatron picks the parameters to offload by `param.is_cuda` and pins their host copies. On CPU
-   the trainer's own parameters stand for the device's, and the host copy is an unpinned clone; the same rule
-   (the first `offload_fraction` of the elements, in parameter order) and the same maps, so the offloaded
-   update, the copy back and the state handling run megatron's code.
+5. `megatron.core.optimizer.cpu_offloading.HybridDeviceOptimizer._get_sub_optimizer_param_groups` and
+   `._move_new_state_to_right_device` (optimizer CPU offload): megatron picks the parameters to offload by
+   `param.is_cuda`, pins their host copies, and moves the device optimizer's loaded state with `.to("cuda")`.
+   On CPU the trainer's own parameters stand for the device's, the host copy is an unpinned clone, and loaded
+   state stays on the CPU; the same rule (the first `offload_fraction` of the elements, in parameter order)
+   and the same maps, so the offloaded update, the copy back and the state handling run megatron's code.
 
 `PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
 test `test_cpu_compat_symbols_exist` in tests/integration/test_trainer.py) fails with the missing names if a
@@ -263,6 +264,16 @@ def _cpu_sub_optimizer_param_groups(self: Any, offload_fraction: float) -> tuple
     return host_groups, device_groups, device_to_host, host_to_device, fp32_copies
 
 
+def _cpu_move_new_state(self: Any) -> None:
+    """HybridDeviceOptimizer's placement of loaded state, every sub-optimizer's on the CPU (patch 5)."""
+    for optimizer in self.sub_optimizers:
+        for param, state in optimizer.state.items():
+            original = self.inner_param_to_orig_param.get(param, param)
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    self.state[original][key] = state[key] = value.to(_CPU)
+
+
 def check_symbols() -> None:
     """Fail clearly when a megatron-core upgrade removed or renamed something this layer patches."""
     missing = []
@@ -313,7 +324,9 @@ def apply() -> bool:
         torch.Tensor.cuda = _tensor_cuda  # type: ignore[method-assign,assignment]
         from megatron.core.optimizer.cpu_offloading import hybrid_optimizer
 
-        hybrid_optimizer.HybridDeviceOptimizer._get_sub_optimizer_param_groups = _cpu_sub_optimizer_param_groups
+        hybrid = hybrid_optimizer.HybridDeviceOptimizer
+        hybrid._get_sub_optimizer_param_groups = _cpu_sub_optimizer_param_groups  # type: ignore[method-assign]
+        hybrid._move_new_state_to_right_device = _cpu_move_new_state  # type: ignore[method-assign]
         _applied = True
     _patch_loaded_modules()
     return True

@@ -22,7 +22,6 @@ Every rank of the trainer calls `train_step` with the same batch (the driver bro
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Iterator
@@ -42,7 +41,8 @@ from megatron_rl.rollout.types import Group, RoutingShape
 from megatron_rl.trainer import cpu_compat
 from megatron_rl.trainer.distributed import RankInfo, init_distributed
 from megatron_rl.trainer.logprobs import token_logprobs
-from megatron_rl.trainer.model import DTYPES, build_model, output_weight
+from megatron_rl.trainer.model import build_model, output_weight
+from megatron_rl.trainer.optimizer import build_optimizer
 
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
 """Dense bf16 peak FLOP/s per device, by device name, for MFU."""
@@ -261,49 +261,6 @@ def _filler() -> Sequence:
     return Sequence([0, 0], num_prompt=1, gen_logprobs=[0.0], loss_mask=[False], advantage=0.0, weight=0.0, index=-1)
 
 
-def offload_settings(opt: Any, cuda: bool) -> dict[str, Any]:
-    """megatron-core's OptimizerConfig fields for `trainer.optimizer.cpu_offload` (Megatron-LM's own rule: the
-    offloaded optimizer is the precision-aware one, whose HybridDeviceOptimizer keeps the fp32 master weights with
-    the moments). Host buffers are pinned and the copies overlap the update where there is a GPU to copy from."""
-    if not opt.cpu_offload:
-        return {}
-    return dict(
-        optimizer_cpu_offload=True,
-        optimizer_offload_fraction=opt.offload_fraction,
-        use_precision_aware_optimizer=True,
-        overlap_cpu_optimizer_d2h_h2d=cuda,
-        pin_cpu_grads=cuda,
-        pin_cpu_params=cuda,
-    )
-
-
-def _feed_fp32_device_params(optimizer: Any) -> None:
-    """Give the fp32 parameters that stay on the device their gradients, under partial offload.
-
-    megatron-core 0.19.2's offloaded (precision-aware) distributed optimizer leaves gradients in `decoupled_grad`;
-    its HybridDeviceOptimizer copies them to the host copies and to the fp32 copies of bf16 parameters, but hands
-    a parameter that is already fp32 and stays on the device (the FP32 LM head, under offload_fraction < 1) to the
-    device Adam without one, which then skips it: the head would never train. This sets their `.grad` before each
-    update."""
-    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
-
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        hybrid = getattr(inner, "optimizer", None)
-        if not isinstance(hybrid, HybridDeviceOptimizer):
-            continue
-
-        def set_grads(hybrid: Any = hybrid, original: Any = hybrid._set_sub_optimizer_grads) -> None:
-            original()
-            if hybrid.gpu_optimizer is None:
-                return
-            for group in hybrid.gpu_optimizer.param_groups:
-                for param in group["params"]:
-                    if param not in hybrid.fp32_param_to_orig_param:  # the parameter itself, not a copy
-                        param.grad = getattr(param, "decoupled_grad", None)
-
-        hybrid._set_sub_optimizer_grads = set_grads
-
-
 def count_params(model: Any) -> int:
     return sum(p.numel() for p in model.parameters())
 
@@ -365,16 +322,7 @@ class Trainer:
         config.finalize_model_grads_func = lambda models, num_tokens=None, **kwargs: finalize_model_grads(
             models, None, **kwargs
         )
-        opt = run.trainer.optimizer
-        # With offload, megatron-core 0.19.2 hands the distributed optimizer's shards to a fresh
-        # HybridDeviceOptimizer through torch's add_param_group, which refuses the shard of an fp32 parameter (the
-        # FP32 LM head): a view of a parameter, hence a non-leaf tensor. Built without autograd recording, those
-        # views are leaves; nothing else in the construction differs.
-        building = torch.no_grad() if opt.cpu_offload else contextlib.nullcontext()
-        with building:
-            self.optimizer = self._build_optimizer(run)
-        if opt.cpu_offload:
-            _feed_fp32_device_params(self.optimizer)
+        self.optimizer = build_optimizer(run, self.ddp)
         cpu_compat.apply()
         self.routing_shape: RoutingShape | None = None
         self.replays: list[Any] = []
@@ -393,28 +341,6 @@ class Trainer:
         self.optimizer_has_state = False
         """Adam state exists only after a first step (checkpoint.py initialises it before save/load)."""
         self.num_params = self._global_param_count()
-
-    def _build_optimizer(self, run: RunConfig) -> Any:
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
-        opt = run.trainer.optimizer
-        return get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=opt.lr,
-                min_lr=opt.lr,
-                weight_decay=opt.weight_decay,
-                adam_beta1=opt.adam_beta1,
-                adam_beta2=opt.adam_beta2,
-                adam_eps=opt.adam_eps,
-                clip_grad=opt.grad_clip,
-                bf16=run.trainer.params_dtype == "bf16",
-                params_dtype=DTYPES[run.trainer.params_dtype],
-                use_distributed_optimizer=run.parallel.distributed_optimizer,
-                **offload_settings(opt, torch.cuda.is_available()),
-            ),
-            [self.ddp],
-        )
 
     # ------------------------------------------------------------------------------------------
     @property

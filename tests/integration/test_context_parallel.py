@@ -10,6 +10,7 @@ partition (each rank a contiguous half of each sequence) must fail the compariso
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -98,8 +99,11 @@ def _whole_ep_grads(ranks: list[dict]) -> dict[str, torch.Tensor]:
         ("cpu_demo", ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"], 4, []),
         ("tiny_moe", ["parallel.cp=2", "parallel.ep=2"], 2, []),
         ("tiny_llama4", ["parallel.cp=2", "parallel.ep=2"], 2, LLAMA4_RULES),
+        # 1F1B over the CP-split rows with full recompute; GSPO's per-sequence ratio over tokens of both CP ranks
+        ("cpu_demo", ["parallel.cp=2", "parallel.pp=2", "trainer.recompute.granularity=full"], 4, []),
+        ("cpu_demo", ["parallel.cp=2"], 2, ["algo.loss=gspo", "algo.mismatch_mask=2.0", "algo.tis_cap=2.0"]),
     ],
-    ids=["cp2", "cp2_tp2_sp", "moe_cp2_ep2", "llama4_chunks_cp2_ep2"],
+    ids=["cp2", "cp2_tp2_sp", "moe_cp2_ep2", "llama4_chunks_cp2_ep2", "cp2_pp2_recompute", "cp2_gspo_masked"],
 )
 def test_context_parallel_equals_one_rank(tmp_path, model, layout, world, extra):
     ref, ref_step, ranks = _compare(tmp_path, model, layout, world, extra)
@@ -111,7 +115,16 @@ def test_context_parallel_equals_one_rank(tmp_path, model, layout, world, extra)
         for tokens, padded in rank["rows"]:  # every sequence padded to 2 x cp chunks: each CP rank holds half
             assert padded * 2 > tokens and padded % (2 if "parallel.tp=2" in layout else 1) == 0
     tp = 2 if "parallel.tp=2" in layout else 1
-    grads = _whole_tp_grads(ranks[:tp]) if tp > 1 else _whole_ep_grads(ranks)
+    if "parallel.pp=2" in layout:  # ranks 0, 1: stage 0 (CP ranks 0, 1); ranks 2, 3: stage 1, its layers from 0 again
+        grads = dict(ranks[0]["grads"])
+        per_stage = 1 + max(int(re.search(r"layers\.(\d+)\.", n).group(1)) for n in grads if "layers." in n)
+        for name, grad in ranks[2]["grads"].items():
+            layer = re.search(r"layers\.(\d+)\.", name)
+            grads[name.replace(layer.group(0), f"layers.{int(layer.group(1)) + per_stage}.") if layer else name] = grad
+    elif tp > 1:
+        grads = _whole_tp_grads(ranks[:tp])
+    else:
+        grads = _whole_ep_grads(ranks)
     assert sorted(grads) == sorted(ref_step["grads"])
     for name, grad in ref_step["grads"].items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)

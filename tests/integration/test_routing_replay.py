@@ -124,8 +124,10 @@ def test_replay_routes_by_the_records_in_forward_and_backward(tmp_path, hf_model
         ["trainer.recompute.granularity=full", "trainer.recompute.method=uniform", "trainer.recompute.num_layers=1"],
         # 1F1B over several micro-batches: each recomputation inside backward pops its own micro-batch's targets
         ["parallel.pp=2", "trainer.recompute.granularity=full", "trainer.recompute.method=uniform"],
+        # context parallel: each rank routes its share of every sequence, the experts split over the CP ranks
+        ["parallel.cp=2", "parallel.ep=2", "trainer.recompute.granularity=full"],
     ],
-    ids=["ep2", "tp2_sp_etp1", "full_recompute", "pp2_1f1b_recompute"],
+    ids=["ep2", "tp2_sp_etp1", "full_recompute", "pp2_1f1b_recompute", "cp2_ep2_recompute"],
 )
 def test_replay_is_the_same_at_every_layout(tmp_path, hf_model, layout):
     """Expert parallel, sequence-parallel shards and recomputation inside backward (REPLAY_BACKWARD) replay

@@ -255,10 +255,23 @@ def test_weight_push_gives_rank_0_the_engines_dtype_and_the_other_ranks_nothing(
 
 
 @pytest.mark.slow
-def test_resume_gives_the_bit_identical_next_step(tmp_path):
-    (full,) = _run(tmp_path, "full", {"overrides": LR, "steps": 3, "save": str(tmp_path / "ck"), "save_after": 2})
+@pytest.mark.parametrize(
+    "overrides, world",
+    [
+        ([], 1),
+        # the GPU default: a bf16 body with the FP32 LM head in one parameter group, the distributed optimizer
+        # sharded over DP 2 (trainer/optimizer.py, gap 1); and the same with half the Adam state offloaded
+        (["trainer.params_dtype=bf16", "parallel.trainer_devices=2"], 2),
+        (["trainer.params_dtype=bf16", "parallel.trainer_devices=2", "trainer.optimizer.cpu_offload=true",
+          "trainer.optimizer.offload_fraction=0.5"], 2),
+    ],
+    ids=["fp32", "bf16_fp32_head_dp2", "bf16_fp32_head_dp2_offload"],
+)  # fmt: skip
+def test_resume_gives_the_bit_identical_next_step(tmp_path, overrides, world):
+    spec = {"overrides": LR + overrides, "steps": 3, "save": str(tmp_path / "ck"), "save_after": 2}
+    (full, *_) = _run(tmp_path, "full", spec, world=world)
     checkpoint = tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text()
-    (resumed,) = _run(tmp_path, "resumed", {"overrides": LR, "steps": 1, "load": str(checkpoint)})
+    (resumed, *_) = _run(tmp_path, "resumed", {"overrides": LR + overrides, "steps": 1, "load": str(checkpoint)}, world)
     assert resumed["steps"][0] == full["steps"][2]  # loss, grad norm and mismatch, bit for bit
 
 
