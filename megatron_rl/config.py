@@ -854,6 +854,14 @@ class RunConfig:
             _fail("parallel.tp", f"must divide model.ffn_hidden_size={m.ffn_hidden_size}, got {p.tp}")
         if m.num_layers % p.pp:
             _fail("parallel.pp", f"must divide model.num_layers={m.num_layers}, got {p.pp}")
+        if p.cp > 1 and self.compute.device_kind == "gpu" and self.trainer.layer_spec == "local":
+            _fail(
+                "parallel.cp",
+                f"{p.cp} with trainer.layer_spec=local on GPUs: context parallelism there is Transformer Engine's "
+                "attention (its ring exchange); the local spec's attention all-gathers every layer's keys and values "
+                "over the CP group and keeps the whole row's for the backward (the CPU path), which is not what the "
+                "plan counts. Use trainer.layer_spec=auto or transformer_engine",
+            )
         if self.trainer.optimizer.cpu_offload and not p.distributed_optimizer:
             _fail(
                 "trainer.optimizer.cpu_offload",

@@ -136,3 +136,31 @@ def test_a_wrong_partition_fails_the_comparison(tmp_path):
     positions of the rank's tokens and the keys they see no longer match, and the log-probs move."""
     ref, _, ranks = _compare(tmp_path, "cpu_demo", ["parallel.cp=2"], 2, [], {"cp_partition": "contiguous", "steps": 0})
     assert _max_diff(ranks[0]["logprobs"], ref["logprobs"]) > 1e-3
+
+
+@pytest.mark.slow
+def test_checkpoints_recompute_and_the_weight_push_under_context_parallel(tmp_path):
+    """At CP 2 (with EP 2 on the tiny MoE): a saved run resumes to the bit-identical next step, its checkpoint
+    loads into one rank with the same log-probs, selective recompute of core attention (whose exchange then runs
+    again in backward) changes nothing, and the weight push hands the engines the same tensors as one rank."""
+    layout = ["parallel.cp=2", "parallel.ep=2", "parallel.trainer_devices=2"]
+    common = LR + SINGLE[:3] + layout
+    full = _run(tmp_path, "full", {"model": "tiny_moe", "overrides": common, "steps": 3, "batch": BATCH,
+                                   "save": str(tmp_path / "ck"), "save_after": 2, "push": True}, world=2)  # fmt: skip
+    checkpoint = str(tmp_path / "ck" / (tmp_path / "ck" / "latest").read_text())
+    resumed = _run(tmp_path, "resumed", {"model": "tiny_moe", "overrides": common, "steps": 1, "batch": BATCH,
+                                         "load": checkpoint}, world=2)  # fmt: skip
+    for before, after in zip(full, resumed, strict=True):
+        assert after["steps"][0] == before["steps"][2]
+    (one,) = _run(tmp_path, "one", {"model": "tiny_moe", "overrides": LR + SINGLE, "batch": BATCH, "load": checkpoint,
+                                    "model_only": True})  # fmt: skip
+    assert _max_diff(one["logprobs"], resumed[0]["logprobs"]) < 2e-5
+    recompute = ["trainer.recompute.granularity=selective", "trainer.recompute.modules=[core_attn]"]
+    selective = _run(tmp_path, "selective", {"model": "tiny_moe", "overrides": common + recompute, "steps": 3,
+                                             "batch": BATCH}, world=2)  # fmt: skip
+    for a, b in zip(selective[0]["steps"], full[0]["steps"], strict=True):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-6)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-6)
+    (pushed,) = _run(tmp_path, "pushed", {"model": "tiny_moe", "overrides": LR + SINGLE, "batch": BATCH, "push": True})
+    assert full[0]["push"]["names"] == pushed["push"]["names"] and full[0]["push"]["rounded"]
+    assert full[1]["push"]["names"] == []  # every rank takes part in the gathers, rank 0 receives

@@ -134,6 +134,9 @@ def test_context_parallel_layouts_and_rows_are_checked_at_config():
                        r"\(parallel.cp=2\), rows a multiple of 16\)"):  # fmt: skip
         run.check_row_budget(phrase_tokens=17)
     assert run.parallel.padded_row([16399, 5]) == 16416
+    with pytest.raises(ConfigError, match=r"parallel.cp: 2 with trainer.layer_spec=local on GPUs"):
+        load_config("scalerl", "llama3_8b", ["parallel.cp=2", "trainer.layer_spec=local"])
+    assert load_config("scalerl-cpu", "cpu_demo", ["parallel.cp=2", "parallel.trainer_devices=2"]).parallel.cp == 2
 
 
 def test_gpu_kernels_follow_transformer_engine_unless_forced(monkeypatch):
