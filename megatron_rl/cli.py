@@ -53,7 +53,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{', MoE ' + str(config.model.moe.num_experts) + ' experts' if config.model.is_moe else ', dense'})"
     )
     print(
-        f"trainer: {p.trainer_devices} devices = TP {p.tp} x PP {p.pp} x DP {p.dp} (EP {p.ep}); "
+        f"trainer: {p.trainer_devices} devices = TP {p.tp} x {f'CP {p.cp} x ' if p.cp > 1 else ''}PP {p.pp} "
+        f"x DP {p.dp} (EP {p.ep}); "
         f"loss {config.algo.loss}, aggregation {config.algo.aggregation}, advantages {config.algo.advantage_norm}"
     )
     print(
@@ -110,9 +111,9 @@ def check_allocation(config: Any, allocation: str) -> None:
             "the GPUs (parallel.trainer_devices, rollout.engine.num_engines)"
         )
     print(
-        f"allocation: {nodes} x {per_node} GPUs = {total}: {trainer} train (TP {parallel.tp} x PP {parallel.pp} "
-        f"x DP {parallel.dp}, EP {parallel.ep}) + {generators} generate ({plan.engines} x TP {engine.tp}), "
-        f"{total - trainer - generators} idle"
+        f"allocation: {nodes} x {per_node} GPUs = {total}: {trainer} train (TP {parallel.tp} x "
+        f"{f'CP {parallel.cp} x ' if parallel.cp > 1 else ''}PP {parallel.pp} x DP {parallel.dp}, EP {parallel.ep}) "
+        f"+ {generators} generate ({plan.engines} x TP {engine.tp}), {total - trainer - generators} idle"
     )
 
 

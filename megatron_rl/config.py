@@ -195,7 +195,7 @@ class ParallelConfig:
     """Expert tensor parallel: how many ranks split one expert's MLP. null = 1 for MoE models (each expert
     whole on its rank: no TP all-reduces inside the experts), tp for dense ones (unused there)."""
     trainer_devices: int = 1
-    """Trainer ranks in total (GPUs, or processes on CPU). dp = trainer_devices / (tp * pp)."""
+    """Trainer ranks in total (GPUs, or processes on CPU). dp = trainer_devices / (tp * cp * pp)."""
     sequence_parallel: bool = False
     """Shard the sequence over the TP group outside attention and MLP (activation memory / tp in norms and
     residuals); needs tp > 1, required by megatron-core for MoE with tp > 1. Packed rows are padded to a
