@@ -18,6 +18,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from test_llama4_attention import RULES as LLAMA4_RULES  # noqa: E402  (8-token chunks, temperature steps of 16)
 from test_trainer import _max_diff, _run, _whole_tp_grads  # noqa: E402
 
 from megatron_rl.trainer.context_parallel import cp_layout, partition  # noqa: E402
@@ -26,13 +27,6 @@ LR = ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0", "parallel
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
 # Two packed rows (6 and 3 sequences) of 40-100 tokens, odd lengths: every sequence gets CP padding.
 BATCH = {"prompts": 3, "group": 3, "prompt_len": [15, 30], "completion_len": [25, 70], "seed": 5}
-LLAMA4_RULES = [
-    "model.attention_chunk_size=8",
-    "model.attn_temperature_tuning=true",
-    "model.floor_scale=16",
-    "model.attn_scale=0.5",
-    "model.max_position_embeddings=256",
-]
 
 
 def test_the_partition_is_transformer_engines_load_balanced_split():
