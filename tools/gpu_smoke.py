@@ -21,6 +21,12 @@ the end; the exit status is 1 when any check fails.
     replay       MoE rollout routing replay: the tiny Qwen3-MoE's and Llama-4's trainer log-probs with random
                  generator routing records against transformers routing by the same records (fp32 within 2e-3), and
                  a train step with replay under full recompute, GSPO, token-level TIS and sequence masking
+    cp           context parallelism's own exchange (`trainer/context_parallel.py::attend`: the local spec's and
+                 Llama-4's chunked layers' CP attention) on this device, the CP ranks simulated in one process:
+                 every rank's queries against the whole row's keys and values equal causal attention over each
+                 whole sequence (plain and chunked, GQA; fp32 within 1e-4, bf16 within 2e-2), and on CUDA a
+                 Scout-sized chunked run (32k row, 8,192-token chunks) stays far below the [heads, chunk, chunk]
+                 scores a math-kernel fallback would hold
     loop         `trainer.train_step` on the ScaleRL recipe (CISPO, bf16, FP32 head, full recompute) for
                  `--steps` steps of synthetic rollouts on a mid-size model (qwen3_4b: all 36 layers where the
                  device holds them, 18 otherwise; cpu_demo on CPU): step time, tokens/s, MFU, peak memory against
@@ -382,6 +388,80 @@ def check_replay(ctx: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+def _cp_reference(q: Any, k: Any, v: Any, segments: list[int], chunk: int | None, scale: float) -> Any:
+    """Causal attention over each whole segment (cut into `chunk`-token pieces when given), [tokens, heads * dim]."""
+    import torch.nn.functional as F
+
+    outputs, start = [], 0
+    for n in segments:
+        pieces = range(start, start + n, chunk) if chunk else [start]
+        for a in pieces:
+            b = min(start + n, a + chunk) if chunk else start + n
+            qs, ks, vs = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))
+            outputs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)[0])
+        start += n
+    out = torch.cat(outputs, dim=1).transpose(0, 1)
+    return out.reshape(out.shape[0], -1)
+
+
+def _cp_simulated(q: Any, k: Any, v: Any, segments: list[int], cp: int, chunk: int | None, scale: float) -> Any:
+    """Every CP rank's `attend` in this process (the all-gather replaced by the whole row's K/V in the gathered
+    order), reassembled in row order."""
+    from unittest import mock
+
+    from megatron_rl.trainer import context_parallel
+
+    layouts = [context_parallel.cp_layout(segments, cp, r, chunk) for r in range(cp)]
+    order = torch.cat([layout.index for layout in layouts]).to(q.device)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    gathered = {id(k): k.index_select(0, order), id(v): v.index_select(0, order)}
+    for layout in layouts:
+        index = layout.index.to(q.device)
+        local_k, local_v = k.index_select(0, index), v.index_select(0, index)
+        stand_in = {id(local_k): gathered[id(k)], id(local_v): gathered[id(v)]}
+        with mock.patch.object(context_parallel, "_gather_rows", lambda x, group, known=stand_in: known[id(x)]):
+            part = context_parallel.attend(q.index_select(0, index), local_k, local_v, layout, scale, chunk is not None,
+                                           None)  # fmt: skip
+        out[index] = part
+    return out
+
+
+def check_cp(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Context parallelism's exchange-and-attend on this device against whole-sequence attention, and its memory."""
+    device = torch.device("cuda") if ctx["cuda"] else torch.device("cpu")
+    results: dict[str, Any] = {}
+    failures = []
+    segments = [4096, 1032, 12] if ctx["cuda"] else [256, 72, 12]
+    chunk = 1024 if ctx["cuda"] else 64
+    for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        tokens = sum(segments)
+        q, k, v = (torch.randn(tokens, h, 64, generator=generator).to(device, dtype) for h in (8, 2, 2))
+        for chunked in (None, chunk):
+            expected = _cp_reference(q, k, v, segments, chunked, 0.125)
+            got = _cp_simulated(q, k, v, segments, 2, chunked, 0.125)
+            worst = float((got.float() - expected.float()).abs().max())
+            key = f"{str(dtype).split('.')[-1]}_{'chunked' if chunked else 'causal'}"
+            results[key] = worst
+            if worst > tolerance:
+                failures.append(f"{key}: max |d| {worst:.2e} > {tolerance:g}")
+    if ctx["cuda"]:  # Scout at TP 4, a 32k row at CP 2: 10 query heads, 2 query groups, 8,192-token chunks
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        q, k, v = (torch.randn(32768, h, 128, device=device, dtype=torch.bfloat16) for h in (10, 2, 2))
+        _cp_simulated(q, k, v, [32768], 2, 8192, 128**-0.5)
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / 2**30
+        scores = 10 * 8192 * 8192 * 2 / 2**30  # one run's [heads, chunk, chunk] bf16 scores
+        results["scout_peak_gib"], results["scores_gib"] = peak, scores
+        if peak > 4 * (32768 * 14 * 128 * 2) / 2**30 + scores / 2:
+            failures.append(f"Scout-sized chunked run peaked at {peak:.2f} GiB: math-kernel scores ({scores:.2f})")
+    if failures:
+        raise AssertionError("; ".join(failures))
+    return results
+
+
 def check_loop(ctx: dict[str, Any]) -> dict[str, Any]:
     from megatron_rl.plan import GIB
     from megatron_rl.trainer.weights import iter_hf_weights
@@ -628,6 +708,7 @@ CHECKS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "logprobs": check_logprobs,
     "push": check_push,
     "replay": check_replay,
+    "cp": check_cp,
     "engine": check_engine,
     "loop": check_loop,
 }
