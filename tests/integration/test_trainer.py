@@ -114,6 +114,28 @@ def test_micro_batch_is_thd_with_sequence_boundaries_and_padding():
     assert chunked.positions.tolist() == list(range(11)) + list(range(4))
 
 
+def test_a_micro_batch_split_over_context_parallel_ranks_covers_every_token_once():
+    """CP 2: each sequence padded to 4 chunks (its own trailing tokens), rank r holding chunks r and 3 - r of every
+    segment; the head of each rank predicts the completion tokens whose predicting hidden state it holds, and the
+    ranks' shares in `cp_order` are every completion token exactly once."""
+    a, b = _seq(2, 5, 0), _seq(3, 2, 1)  # 7 and 5 tokens -> 8 and 8
+    ranks = [MicroBatch([a, b], pad_multiple=4, seq_pad_multiple=4, cp=2, cp_rank=r) for r in range(2)]
+    assert ranks[0].lengths == [8, 8] and ranks[0].row_tokens == 16
+    assert ranks[0].input_ids.tolist() == [a.tokens[0:2] + [a.tokens[6], 0] + b.tokens[0:2] + [0, 0]]  # chunks 0, 3
+    assert ranks[1].input_ids.tolist() == [a.tokens[2:6] + b.tokens[2:5] + [0]]  # chunks 1 and 2
+    assert ranks[0].position_ids.tolist() == [[0, 1, 6, 7, 0, 1, 6, 7]]
+    params = ranks[1].packed_seq_params(torch.device("cpu"))
+    assert params.cu_seqlens_q.tolist() == [0, 8, 16] and params.cu_seqlens_q_padded.tolist() == [0, 8, 16]
+    # a's completion is predicted from row positions 1-5 (rank 0 holds 1, rank 1 2-5), b's from 10-11 (rank 1)
+    assert ranks[0].cp_counts == ranks[1].cp_counts == [1, 6]
+    assert sorted(ranks[0].cp_order.tolist()) == list(range(7))
+    for rank in ranks:  # the targets a rank's head predicts, from its own hidden rows
+        mine = rank.cp_order[sum(rank.cp_counts[: rank.cp_rank]) :][: rank.cp_counts[rank.cp_rank]]
+        assert rank.head_targets_T.tolist() == rank.targets_T[mine].tolist()
+        row = rank.cp_index[rank.head_index_T]  # the row positions of those hidden states
+        assert row.tolist() == rank.hidden_index_T[mine].tolist()
+
+
 def test_pack_counts_padding_against_the_budget():
     sequences = [_seq(2, 3, i) for i in range(3)]  # 5 tokens each
     assert len(pack(sequences, budget=10)) == 2  # 5 + 5 fits exactly
