@@ -18,7 +18,9 @@ What it models (transformer_engine.pytorch.*), with the real math in torch:
                                              column GEMM, reduce-scatter or all-reduce after a row GEMM) through
                                              megatron's autograd-aware collectives
     RMSNorm, LayerNorm                       weight (and bias), eps, zero-centred gamma
-    DotProductAttention                      THD (packed) causal attention per segment of cu_seqlens, GQA
+    DotProductAttention                      THD (packed) causal attention per segment of cu_seqlens, GQA, and
+                                             TE's THD context parallelism (cp_comm_type p2p; the exchange
+                                             modelled by trainer/context_parallel.py's all-gather)
 
 Every constructor and forward call is checked against the signatures of the TE release the GPU image pins
 (te_signatures.json, read from that release's sources by tools/te_signatures.py: unknown or missing arguments
