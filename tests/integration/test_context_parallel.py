@@ -52,13 +52,29 @@ def test_the_partition_is_transformer_engines_load_balanced_split():
         partition([8, 6], 2, 0)
 
 
-def _compare(tmp: Path, model: str, layout: list[str], world: int, extra: list[str], spec: dict | None = None):
-    (ref,) = _run(
-        tmp, "ref", {"model": model, "overrides": LR + SINGLE + extra, "save": str(tmp / "ck"), "batch": BATCH}
-    )
-    step_spec = {"model": model, "load": str(tmp / "ck" / "step_00000000"), "model_only": True, "steps": 2}
-    step_spec.update(grads=True, grads_step=0, batch=BATCH)  # the first step's: Adam magnifies rounding after it
-    (ref_step,) = _run(tmp, "ref_step", {**step_spec, "overrides": LR + SINGLE + extra})
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """One rank's log-probs, checkpoint and first two steps (with the first step's gradients) per model and
+    overrides, computed once for the module."""
+    cache: dict[tuple, tuple[dict, dict, dict]] = {}
+
+    def get(model: str, extra: list[str]) -> tuple[dict, dict, dict]:
+        key = (model, tuple(extra))
+        if key not in cache:
+            tmp = tmp_path_factory.mktemp("ref")
+            spec = {"model": model, "overrides": LR + SINGLE + extra, "save": str(tmp / "ck"), "batch": BATCH}
+            (ref,) = _run(tmp, "ref", spec)
+            step_spec = {"model": model, "load": str(tmp / "ck" / "step_00000000"), "model_only": True, "steps": 2}
+            step_spec.update(grads=True, grads_step=0, batch=BATCH)  # the first step's: Adam magnifies rounding
+            (ref_step,) = _run(tmp, "ref_step", {**step_spec, "overrides": LR + SINGLE + extra})
+            cache[key] = ref, ref_step, step_spec
+        return cache[key]
+
+    return get
+
+
+def _compare(references, tmp: Path, model: str, layout: list[str], world: int, extra: list[str], spec=None):
+    ref, ref_step, step_spec = references(model, extra)
     overrides = LR + SINGLE[:3] + layout + [f"parallel.trainer_devices={world}"] + extra
     ranks = _run(tmp, "cp", {**step_spec, **(spec or {}), "overrides": overrides}, world=world)
     return ref, ref_step, ranks
@@ -99,8 +115,8 @@ def _whole_ep_grads(ranks: list[dict]) -> dict[str, torch.Tensor]:
     ],
     ids=["cp2", "cp2_tp2_sp", "moe_cp2_ep2", "llama4_chunks_cp2_ep2", "cp2_pp2_recompute", "cp2_gspo_masked"],
 )
-def test_context_parallel_equals_one_rank(tmp_path, model, layout, world, extra):
-    ref, ref_step, ranks = _compare(tmp_path, model, layout, world, extra)
+def test_context_parallel_equals_one_rank(references, tmp_path, model, layout, world, extra):
+    ref, ref_step, ranks = _compare(references, tmp_path, model, layout, world, extra)
     for rank in ranks:
         assert _max_diff(rank["logprobs"], ref["logprobs"]) < 2e-5
         for step, expected in zip(rank["steps"], ref_step["steps"], strict=True):
@@ -125,10 +141,11 @@ def test_context_parallel_equals_one_rank(tmp_path, model, layout, world, extra)
 
 
 @pytest.mark.slow
-def test_a_wrong_partition_fails_the_comparison(tmp_path):
+def test_a_wrong_partition_fails_the_comparison(references, tmp_path):
     """Each rank holding a contiguous half of every sequence (what megatron's RoPE and TE do not expect): the
     positions of the rank's tokens and the keys they see no longer match, and the log-probs move."""
-    ref, _, ranks = _compare(tmp_path, "cpu_demo", ["parallel.cp=2"], 2, [], {"cp_partition": "contiguous", "steps": 0})
+    spec = {"cp_partition": "contiguous", "steps": 0}
+    ref, _, ranks = _compare(references, tmp_path, "cpu_demo", ["parallel.cp=2"], 2, [], spec)
     assert _max_diff(ranks[0]["logprobs"], ref["logprobs"]) > 1e-3
 
 
