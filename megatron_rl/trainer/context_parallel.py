@@ -3,7 +3,7 @@
     layout = cp_layout(segment_lengths, cp=2, rank=r, chunk_size=None)   # host, once per micro-batch
     local_ids = row_ids[layout.index]                                    # this rank's tokens
     out = attend(query, key, value, layout, scale, chunked=False, group)  # causal attention of local queries
-    full = gather_tokens(local_values, layout.tokens, group)             # per-token values of the whole row
+    full = gather_tokens(local_values, counts, order, group)            # per-token values of the whole row
 
 The partition is Transformer Engine's for THD context parallelism (`thd_get_partitioned_indices`, used by
 megatron-core's per-document CP batching): every segment of the row (a sequence, padded to a multiple of
@@ -60,10 +60,6 @@ class CpLayout:
     """The rank's queries as runs within one segment (2 per segment)."""
     chunk_runs: tuple[QueryRun, ...] | None
     """The same cut again at every Llama-4 attention chunk start (chunked layers), or None."""
-
-    @property
-    def local_tokens(self) -> int:
-        return int(self.index.numel())
 
     def owner_and_local(self) -> tuple[Tensor, Tensor]:
         """For each row position: the CP rank that holds it and its index there."""
