@@ -62,8 +62,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{r.prompts_per_step} prompts x {r.generations_per_prompt} = {r.completions_per_step} completions"
     )
     if args.allocation:
-        check_allocation(config, args.allocation)
-        check_memory(config)
+        check_memory(config, check_allocation(config, args.allocation))
     config.check_starting_model()
     config.check_engine_attention()
     if args.write:
@@ -75,12 +74,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def check_allocation(config: Any, allocation: str) -> None:
+def check_allocation(config: Any, allocation: str) -> int | None:
     """Fail before anything starts when the recipe's GPU split does not fit `NODESxGPUS_PER_NODE`, or when the
     allocation holds whole nodes the run leaves idle (a Slurm job should not reserve GPUs nobody uses).
 
     Nodes are counted as Ray places the run (orchestration/placement.py): the trainer's ranks fill nodes in
-    rank order, each engine sits inside one node, engines may use what the trainer's last node leaves."""
+    rank order, each engine sits inside one node, engines may use what the trainer's last node leaves. Returns the
+    GPUs per node of a GPU run (the plan counts host memory per node with them), None for a CPU run."""
     try:
         nodes, per_node = (int(x) for x in allocation.lower().split("x"))
     except ValueError:
@@ -90,7 +90,7 @@ def check_allocation(config: Any, allocation: str) -> None:
     engine, parallel = config.rollout.engine, config.parallel
     if engine.device == "cpu" and config.compute.device_kind == "cpu_core":
         print(f"allocation: {nodes} node(s); CPU run (trainer ranks and engines on cores)")
-        return
+        return None
     if per_node < 1:
         raise ConfigError(
             f"--allocation {allocation}: {per_node} GPUs per node; this GPU run needs at least 1 (Slurm: "
@@ -115,16 +115,18 @@ def check_allocation(config: Any, allocation: str) -> None:
         f"{f'CP {parallel.cp} x ' if parallel.cp > 1 else ''}PP {parallel.pp} x DP {parallel.dp}, EP {parallel.ep}) "
         f"+ {generators} generate ({plan.engines} x TP {engine.tp}), {total - trainer - generators} idle"
     )
+    return per_node
 
 
-def check_memory(config: Any) -> None:
+def check_memory(config: Any, gpus_per_node: int | None = None) -> None:
     """The memory plan of a GPU run (megatron_rl/plan.py): print it, refuse one that does not fit; then the trainer
-    built as a GPU node builds it (Transformer Engine's spec, the node's kernel switches: `gpu_build_check`)."""
+    built as a GPU node builds it (Transformer Engine's spec, the node's kernel switches: `gpu_build_check`).
+    `gpus_per_node`: the allocation's, for the host memory of a node's trainer ranks (default 8)."""
     if config.compute.device_kind != "gpu":
         return
     from megatron_rl.plan import format_plan, gpu_build_check, make_plan
 
-    plan = make_plan(config)
+    plan = make_plan(config, gpus_per_node=gpus_per_node)
     print(format_plan(plan))
     if not plan.fits:
         raise ConfigError("memory plan: " + "; ".join(plan.problems))
@@ -136,15 +138,14 @@ def check_memory(config: Any) -> None:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.recipe, args.model, args.overrides)
-    if args.allocation:
-        check_allocation(config, args.allocation)
+    gpus_per_node = check_allocation(config, args.allocation) if args.allocation else None
     if config.compute.device_kind != "gpu":
         print(
             f"memory plan: {config.recipe} runs on CPU cores (compute.device_kind={config.compute.device_kind}); "
             "the plan sizes GPU memory, so there is nothing to plan. Plan a GPU recipe, e.g. --recipe scalerl"
         )
         return 0
-    check_memory(config)
+    check_memory(config, gpus_per_node)
     return 0
 
 

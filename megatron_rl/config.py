@@ -795,8 +795,8 @@ class ComputeConfig:
     device_memory_gib: float = 79.6
     """Usable memory of one GPU in GiB, for the memory plan (`megatron-rl plan`): H100 80GB reports 81,559 MiB."""
     host_memory_gib: float = 1800.0
-    """Host memory of one 8-GPU node in GiB that the trainer ranks may use (a DGX H100 has 2 TB), for the plan's
-    check of offloaded optimizer state and routing records."""
+    """Host memory of one node in GiB that its trainer ranks may use (a DGX H100 has 2 TB), for the plan's check of
+    offloaded optimizer state and routing records (ranks per node: the allocation's GPUs per node, 8 without one)."""
 
 
 # --------------------------------------------------------------------------------------------------

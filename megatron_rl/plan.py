@@ -58,7 +58,7 @@ HOST_OPTIMIZER_BYTES = 16.0
 """Host bytes per offloaded parameter in megatron-core's HybridDeviceOptimizer: its fp32 copy, the fp32 gradient
 buffer it copies into, and Adam's two fp32 moments."""
 GPUS_PER_NODE = 8
-"""Trainer ranks that share one node's host memory (the plan's --allocation gives the real count)."""
+"""GPUs per node when the plan is not given an allocation (`--allocation NxG` gives G)."""
 ENGINE_RESERVE_GIB = 4.0
 """(ours) What an SGLang engine needs outside its static pool: CUDA graphs, sampling buffers, activations."""
 
@@ -499,6 +499,7 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     """What runs but slower than planned (sequences SGLang queues for want of KV cache)."""
+    gpus_per_node: int = GPUS_PER_NODE
 
     @property
     def fits(self) -> bool:
@@ -506,7 +507,8 @@ class Plan:
 
     @property
     def node_ranks(self) -> int:
-        return min(self.run.parallel.trainer_devices, GPUS_PER_NODE)
+        """Trainer ranks sharing one node's host memory (ranks fill nodes in order)."""
+        return min(self.run.parallel.trainer_devices, self.gpus_per_node)
 
     @property
     def host_per_node(self) -> float:
@@ -568,8 +570,9 @@ def kv_warnings(run: RunConfig, engine: EngineMemory) -> list[str]:
     ]
 
 
-def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
-    """The memory plan of `run`; with `suggest`, the smallest layout changes that make a refused plan fit."""
+def make_plan(run: RunConfig, suggest: bool = True, gpus_per_node: int | None = None) -> Plan:
+    """The memory plan of `run`; with `suggest`, the smallest layout changes that make a refused plan fit.
+    `gpus_per_node`: the allocation's GPUs per node (GPUS_PER_NODE when not given), for host memory per node."""
     device = run.compute.device_memory_gib * GIB
     stages = [stage_parameters(run, s) for s in range(run.parallel.pp)]
     push = push_memory(run)
@@ -577,6 +580,7 @@ def make_plan(run: RunConfig, suggest: bool = True) -> Plan:
     total_params = _total_parameters(run, stages)
     engine = engine_memory(run, total_params, device)
     plan = Plan(run, device, ranks, engine, push, routing_memory(run, engine))
+    plan.gpus_per_node = gpus_per_node or GPUS_PER_NODE
     for rank in ranks:
         if rank.total > device:
             transient = (

@@ -201,3 +201,7 @@ def test_a_long_row_without_context_parallel_is_refused_with_cp_and_offload_amon
     host = _plan("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "trainer.optimizer.cpu_offload=true",
                  "compute.host_memory_gib=512")  # fmt: skip
     assert host.returncode == 2 and "trainer host memory: 803 GiB per node of 8 trainer GPUs" in host.stdout
+    # nodes of 4 GPUs (an allocation of 20 x 4, engines of TP 4): half the ranks, half the host memory, per node
+    four = _plan("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "trainer.optimizer.cpu_offload=true",
+                 "rollout.engine.tp=4", "rollout.engine.num_engines=16", "--allocation", "20x4")  # fmt: skip
+    assert four.returncode == 0 and "the trainer ranks of a node need 402 GiB" in four.stdout, four.stdout
