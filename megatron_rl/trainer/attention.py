@@ -43,7 +43,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from torch import Tensor
 
 from megatron_rl.config import ModelConfig
-from megatron_rl.trainer.context_parallel import CpLayout, attend, cp_layout
+from megatron_rl.trainer.context_parallel import CpLayout, attend
 
 
 @dataclass
@@ -61,21 +61,16 @@ class PackedRows(PackedSeqParams):
 
 
 def packed_rows(
-    lengths: list[int],
-    device: torch.device | str,
-    chunk_size: int | None = None,
-    cp: int = 1,
-    cp_rank: int = 0,
+    lengths: list[int], device: torch.device | str, chunk_size: int | None = None, layout: CpLayout | None = None
 ) -> PackedRows:
-    """The THD description of a row holding segments of `lengths` tokens, back to back; with `cp` > 1, of the
-    whole row (each length a multiple of 2 x cp) as CP rank `cp_rank` holds it."""
+    """The THD description of a row holding segments of `lengths` tokens, back to back; with a context-parallel
+    `layout` (context_parallel.cp_layout of these lengths), of the whole row as the layout's rank holds it."""
     bounds = [0]
     for length in lengths:
         bounds.append(bounds[-1] + length)
     cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=device)
     longest = max(lengths)
     positions = torch.cat([torch.arange(n, dtype=torch.int32) for n in lengths])
-    layout = cp_layout(lengths, cp, cp_rank, chunk_size) if cp > 1 else None
     rows = PackedRows(
         qkv_format="thd",
         cu_seqlens_q=cu_seqlens,

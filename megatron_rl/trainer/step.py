@@ -111,6 +111,8 @@ class MicroBatch:
     """The completion tokens (indices into targets_T) predicted by CP rank 0, then rank 1, ..."""
     cp_index: Tensor = field(init=False)
     """Row positions of this rank's tokens, in its order."""
+    cp_split: Any = field(init=False, default=None)
+    """The row's context-parallel layout on this rank (trainer/context_parallel.py), None without CP."""
 
     def __post_init__(self) -> None:
         if self.pad_multiple % self.seq_pad_multiple:
@@ -148,7 +150,7 @@ class MicroBatch:
         """This rank's tokens, and which completion tokens each CP rank predicts (in its local order)."""
         from megatron_rl.trainer.context_parallel import cp_layout
 
-        layout = cp_layout(self.lengths, self.cp, self.cp_rank)
+        layout = self.cp_split = cp_layout(self.lengths, self.cp, self.cp_rank, self.chunk_size)
         self.cp_index = layout.index
         self.input_ids, self.position_ids = self.input_ids[:, layout.index], self.position_ids[:, layout.index]
         owner_R, local_R = layout.owner_and_local()
@@ -186,7 +188,7 @@ class MicroBatch:
         """megatron's PackedSeqParams (THD) for this row, on `device`."""
         from megatron_rl.trainer.attention import packed_rows
 
-        return packed_rows(self.lengths, device, self.chunk_size, self.cp, self.cp_rank)
+        return packed_rows(self.lengths, device, self.chunk_size, self.cp_split)
 
     def token_data(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """Per completion token: generator log-prob, advantage, loss mask, aggregation weight."""
