@@ -235,7 +235,7 @@ def _serve(conn: Connection, fn: ScoreFn, cfg: RewardsConfig) -> None:
     while True:
         try:
             completion, prompt = conn.recv()
-        except EOFError:
+        except (EOFError, OSError):  # closed by the parent; a reset if a reply was still unread on its side
             return
         try:
             reply: tuple[str, Any] = ("ok", fn(completion, prompt, cfg))
