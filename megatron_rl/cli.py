@@ -8,6 +8,8 @@
                                                      this GPU node's driver and GPUs against the run
     megatron-rl train --recipe R [--model M] [k=v]   run (or resume) a ScaleRL training run
     megatron-rl fit RUNS.jsonl ... [options]         fit / predict / compare scaling curves
+    megatron-rl eval --checkpoint DIR [--start] [--benchmarks aime24,math500,...]
+                                                     downstream benchmarks of a checkpoint (and its start)
     megatron-rl convert --from-hf | --to-hf ...      Hugging Face <-> Megatron checkpoints
 
 Each subcommand imports what it needs when it runs, so `--help` and config checks stay fast and never
@@ -202,6 +204,7 @@ def _delegate(module: str) -> Callable[[list[str]], int]:
 DELEGATED: dict[str, tuple[str, str]] = {
     "fit": ("megatron_rl.scaling.cli", "fit, predict and compare sigmoidal compute-performance curves"),
     "convert": ("megatron_rl.convert.cli", "convert checkpoints between Hugging Face and Megatron"),
+    "eval": ("megatron_rl.orchestration.evaluate", "downstream benchmarks (AIME, MATH-500, ...) of a checkpoint"),
 }
 
 

@@ -3,7 +3,8 @@
 Every row carries `step` and `device_hours`, the cumulative compute of all devices of the run (trainer
 ranks + generator devices, times wall-clock hours; on CPU runs each core counts as a device and the
 header says so): the x-axis of the scaling law. Validation rows add `val/pass_rate` (mean@k over all
-tasks) and `val/pass_rate/<task>`. The first line of the file is a header `{"run": {...}}` with the run's
+tasks) and `val/pass_rate/<task>`; downstream rows add `downstream/<benchmark>/mean@<n>`, `.../pass@<k>` and
+their `_se` (rollout/evaluation.py). The first line of the file is a header `{"run": {...}}` with the run's
 name, recipe, model and device kind.
 
 The per-step metrics of docs/recipe.md §2 are logged as `train/truncation_rate`, `train/mismatch` (mean |log
@@ -66,7 +67,19 @@ def console_line(step: int, row: dict[str, Any]) -> str:
         value = row.get(key)
         if isinstance(value, (int, float)) and math.isfinite(value):
             parts.append(f"{label} {fmt.format(value)}")
+            if key == "val/pass_rate":  # downstream benchmarks beside validation, on the steps they ran
+                parts += [f"{name} {value:.3f}" for name, value in _downstream(row)]
     return " | ".join(parts)
+
+
+def _downstream(row: dict[str, Any]) -> list[tuple[str, float]]:
+    """(benchmark, mean@n) of each `downstream/<benchmark>/mean@<n>` in the row."""
+    out = []
+    for key, value in row.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "downstream" and parts[2].startswith("mean@") and "_" not in parts[2]:
+            out.append((parts[1], float(value)))
+    return out
 
 
 class MetricsLogger:

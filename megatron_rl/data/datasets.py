@@ -95,7 +95,7 @@ def parse_row(row: Any, task: str, source: str, index: int, line: int | None = N
     return Prompt(id=prompt_id, task=task, **values)
 
 
-def _read_rows(source: str, split: str, subset: str | None = None) -> list[tuple[int, Any]]:
+def read_rows(source: str, split: str, subset: str | None = None) -> list[tuple[int, Any]]:
     """(1-based line or position, raw row) of every row of a source."""
     if source.startswith("synthetic:"):
         name = source.removeprefix("synthetic:")
@@ -133,7 +133,7 @@ def load_prompts(cfg: DatasetConfig, bad_rows: str = "error") -> tuple[list[Prom
     """All valid prompts of one dataset config, and how many rows were skipped."""
     stats = LoadStats()
     prompts: list[Prompt] = []
-    for index, (line, row) in enumerate(_read_rows(cfg.source, cfg.split, cfg.subset)):
+    for index, (line, row) in enumerate(read_rows(cfg.source, cfg.split, cfg.subset)):
         if cfg.limit is not None and len(prompts) >= cfg.limit:
             break
         stats.rows += 1

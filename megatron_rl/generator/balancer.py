@@ -71,12 +71,14 @@ class EngineBalancer:
         now, spans = time.monotonic(), zip(self._busy_s, self._busy_since, self._inflight, strict=True)
         return [busy + (now - since if inflight else 0.0) for busy, since, inflight in spans]
 
-    async def _send(self, index: int, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
+    async def _send(
+        self, index: int, input_ids: list[int], max_new_tokens: int, stop_ids: list[int], sampling: SamplingConfig
+    ) -> Segment:
         if self._inflight[index] == 0:
             self._busy_since[index] = time.monotonic()
         self._inflight[index] += 1
         try:
-            return await self.clients[index].generate(input_ids, max_new_tokens, stop_ids, self.sampling)
+            return await self.clients[index].generate(input_ids, max_new_tokens, stop_ids, sampling)
         finally:
             self._inflight[index] -= 1
             if self._inflight[index] == 0:
@@ -91,7 +93,15 @@ class EngineBalancer:
         self._next = (best + 1) % n
         return best
 
-    async def __call__(self, input_ids: list[int], max_new_tokens: int, stop_token_ids: list[int]) -> Segment:
+    async def __call__(
+        self,
+        input_ids: list[int],
+        max_new_tokens: int,
+        stop_token_ids: list[int],
+        sampling: SamplingConfig | None = None,
+    ) -> Segment:
+        """One request on the least busy engine, retried on failure; `sampling` overrides the balancer's (an
+        evaluation's temperature)."""
         self.requests += 1
         failed: set[int] = set()
         attempt = 0
@@ -99,7 +109,7 @@ class EngineBalancer:
             index = self._pick(failed)
             client = self.clients[index]
             try:
-                segment = await self._send(index, input_ids, max_new_tokens, stop_token_ids)
+                segment = await self._send(index, input_ids, max_new_tokens, stop_token_ids, sampling or self.sampling)
             except EngineError as exc:
                 self.failures += 1
                 self.failures_by_engine[index] += 1

@@ -33,7 +33,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config import RunConfig, SamplingConfig
 from megatron_rl.generator.balancer import EngineBalancer
 from megatron_rl.generator.client import SGLangClient
 from megatron_rl.generator.server import SGLangServer
@@ -121,9 +121,11 @@ class EngineGroup:
         self.balancer = EngineBalancer(self.clients, self.run.rollout.sampling, self.run.rollout.max_retries)
         self.balancer.on_failure = self._on_failure
 
-    async def generate(self, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Any:
+    async def generate(
+        self, input_ids: list[int], max_new_tokens: int, stop_ids: list[int], sampling: SamplingConfig | None = None
+    ) -> Any:
         assert self.balancer is not None, "EngineGroup.start() first"
-        return await self.balancer(input_ids, max_new_tokens, stop_ids)
+        return await self.balancer(input_ids, max_new_tokens, stop_ids, sampling)
 
     async def _on_failure(self, client: SGLangClient) -> None:
         """A request failed on `client`: restart its engine if it died and give it the current weights

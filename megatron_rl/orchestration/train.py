@@ -3,6 +3,7 @@
 The loop (docs/recipe.md §4, docs/run_flow.md) reads as the algorithm:
 
     every eval.every_steps:  validation mean@k on the held-out prompts (+ live scaling-curve fit)
+    every eval.downstream.every_steps: mean@n and pass@k on the downstream benchmarks (AIME, MATH-500, ...)
     groups  <- pipeline.next_batch(version)      G completions per prompt, rewarded, filtered, <= k stale
     metrics <- trainers.train_step(groups)       one optimizer step on all trainer ranks; version += 1
     push weights when the pipeline says so       in flight (pipeline) or after k steps (ppo_off_policy)
@@ -34,6 +35,7 @@ from transformers import AutoTokenizer
 
 from megatron_rl.algo.filters import NoPositiveResampling
 from megatron_rl.config import ConfigError, RunConfig, save_config
+from megatron_rl.data.benchmarks import BenchmarkSet, load_benchmark
 from megatron_rl.data.datasets import Splits, load_splits
 from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
@@ -43,8 +45,16 @@ from megatron_rl.orchestration.placement import check_cpu_slots, local_ray_cpus
 from megatron_rl.orchestration.reaper import Reaper
 from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rewards.workers import RewardWorkers
+from megatron_rl.rollout.evaluation import (
+    BenchmarkResult,
+    evaluate_benchmarks,
+    format_table,
+    sampling_record,
+    validate,
+    with_sampling,
+)
 from megatron_rl.rollout.interruption import InterruptionTokens
-from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline, validate
+from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline
 from megatron_rl.scaling import live_prediction
 from megatron_rl.scaling.cli import main as fit_main
 from megatron_rl.trainer.checkpoint import latest_checkpoint, record_starting_model
@@ -127,6 +137,8 @@ class Parts:
     step: int
     regenerated: int
     """Groups that were buffered or in flight at the checkpoint resumed from (their prompts are drawn again)."""
+    downstream: dict[str, BenchmarkSet]
+    """The downstream benchmarks (eval.downstream), loaded before the start."""
     saved: int | None = None
     """The step of the last checkpoint this start wrote."""
 
@@ -158,6 +170,30 @@ class Parts:
                     {k.replace("scaling/", f"scaling/{task}/") if task else k: v for k, v in prediction.items()}
                 )
         return result
+
+    async def evaluate_downstream(self, step: int) -> dict[str, float]:
+        """mean@n and pass@k on every downstream benchmark, on the run's engines while generation for training
+        goes on; each result is also appended, with the sampling settings, to the run's downstream.jsonl."""
+        run = self.run
+        config = run.eval.downstream
+        sampling = config.sampling(run.rollout.sampling)
+        pipeline = self.pipeline
+        results = await evaluate_benchmarks(
+            {name: bench.prompts for name, bench in self.downstream.items()},
+            config.samples_per_prompt,
+            with_sampling(self.engines.generate, sampling),
+            self.encoder,
+            run.rollout,
+            self.tokens,
+            self.rewards,
+            lambda: pipeline.version,
+            seed=run.seed,
+        )
+        settings = sampling_record(run.rollout, sampling, config.samples_per_prompt)
+        sources = {name: bench.source for name, bench in self.downstream.items()}
+        record_downstream(self.run_dir / "downstream.jsonl", step, results, settings, sources)
+        print(format_table(results, f"downstream at step {step}:"), flush=True)
+        return {key: value for result in results.values() for key, value in result.metrics().items()}
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         row.update(self.engines.metrics())
@@ -201,7 +237,8 @@ async def _train(run: RunConfig) -> Path:
             what = f"nothing saved by this start; {_last_checkpoint(parts.run_dir)}"
         print(f"stopped by {parts.stop.signal} at step {step}: {what}; resume with the same command", flush=True)
     else:
-        _final_fit(parts.logger.path, parts.run_dir, set(parts.splits.val), run.logging.scaling_fit_start)
+        downstream = [f"downstream/{name}/mean@{run.eval.downstream.samples_per_prompt}" for name in parts.downstream]
+        _final_fit(parts.logger.path, parts.run_dir, set(parts.splits.val), run.logging.scaling_fit_start, downstream)
     return parts.run_dir
 
 
@@ -213,8 +250,8 @@ async def _loop(p: Parts) -> int:
     while step < run.total_steps and not p.stop:
         started = time.perf_counter()
         row: dict[str, Any] = {}
-        if step % run.eval.every_steps == 0 and validated != step:
-            row.update(await p.validate())
+        if validated != step:
+            row.update(await _evaluations(p, step, final=False))
             validated = step
         groups, stats = await p.pipeline.next_batch(step)
         row.update(stats.as_metrics())
@@ -236,8 +273,36 @@ async def _loop(p: Parts) -> int:
         if step % run.checkpoint.every_steps == 0 or p.stop or step == run.total_steps:
             await p.save(step)
     if step >= run.total_steps and not p.stop:
-        p.log(step, await p.validate())
+        p.log(step, await _evaluations(p, step, final=True))
     return step
+
+
+async def _evaluations(p: Parts, step: int, final: bool) -> dict[str, Any]:
+    """The evaluations due at `step` (all of them at the end), validation and downstream side by side on the
+    engines (generation for training keeps its share of them meanwhile)."""
+    run = p.run
+    jobs = []
+    if final or step % run.eval.every_steps == 0:
+        jobs.append(p.validate())
+    if p.downstream and (final or step % run.eval.downstream.every_steps == 0):
+        jobs.append(p.evaluate_downstream(step))
+    row: dict[str, Any] = {}
+    for result in await asyncio.gather(*jobs):
+        row.update(result)
+    return row
+
+
+def record_downstream(
+    path: Path, step: int, results: dict[str, BenchmarkResult], sampling: dict[str, Any], sources: dict[str, str]
+) -> None:
+    """Append one JSON line: the step, the sampling settings, and each benchmark's result (per-problem passes
+    included, so pass@k at another k can be computed later)."""
+    import json
+
+    entry = {"step": step, "sampling": sampling, "sources": sources}
+    entry["results"] = {name: result.as_dict() for name, result in results.items()}
+    with path.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 async def setup(run: RunConfig, stop: StopFlag) -> Parts:
@@ -249,6 +314,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     _check_writable(run_dir)
     splits = load_splits(run.data)
     _report_data(splits)
+    downstream = load_downstream(run)
     if any(d.task == "code" for d in run.data.datasets):
         from megatron_rl.rewards.sandbox import get_sandbox
 
@@ -311,8 +377,22 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run), resume_step=step)
     return Parts(
         run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
-        step, regenerated,
+        step, regenerated, downstream,
     )  # fmt: skip
+
+
+def load_downstream(run: RunConfig) -> dict[str, BenchmarkSet]:
+    """The downstream benchmarks of `eval.downstream`, one line each (problems, rows skipped)."""
+    sets = {}
+    for config in run.eval.downstream.benchmarks:
+        bench = sets[config.name] = load_benchmark(config)
+        line = f"downstream: {bench.name}: {len(bench.prompts)} problems from {bench.source}"
+        if bench.window:
+            line += f" ({bench.window})"
+        if bench.skipped:
+            line += f", {bench.skipped} of {bench.rows} rows skipped; first: {bench.errors[0]}"
+        print(line, flush=True)
+    return sets
 
 
 def _check_writable(run_dir: Path) -> None:
@@ -372,9 +452,13 @@ def _live_fit(
     return live_prediction(points, fit_start=fit_start, metric=metric)
 
 
-def _final_fit(metrics_path: Path, run_dir: Path, tasks: set[str], fit_start: float) -> None:
-    """Print the fitted compute-performance curve of this run and write its plot."""
+def _final_fit(metrics_path: Path, run_dir: Path, tasks: set[str], fit_start: float, downstream: list[str]) -> None:
+    """Print the fitted compute-performance curve of this run and write its plot; with downstream benchmarks,
+    also their curves beside the validation curve (the paper's validation vs AIME figure)."""
     common = [str(metrics_path), "--fit-start", str(fit_start)]
     fit_main([*common, "--plot", str(run_dir / "scaling_curve.png")])
     if len(tasks) > 1:  # multi-task: one curve per task as well (docs/recipe.md §7: math and code fitted apart)
         fit_main([*common, "--metric", "val/pass_rate/*", "--plot", str(run_dir / "scaling_curve_tasks.png")])
+    if downstream:
+        metrics = ",".join(["val/pass_rate", *downstream])
+        fit_main([*common, "--metric", metrics, "--plot", str(run_dir / "scaling_curve_downstream.png")])

@@ -37,7 +37,6 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,40 +380,3 @@ class RolloutPipeline:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-
-
-async def validate(
-    prompts: dict[str, list[Prompt]],
-    samples: int,
-    generate: GenerateFn,
-    encoder: PromptEncoder,
-    cfg: RolloutConfig,
-    tokens: InterruptionTokens,
-    rewards: RewardWorkers,
-    version: Callable[[], int],
-    seed: int,
-) -> dict[str, float]:
-    """mean@k pass rate per task and overall (`val/pass_rate`, `val/pass_rate/<task>`)."""
-
-    async def one(prompt: Prompt, prompt_ids: list[int], rng: random.Random) -> bool:
-        out = await generate_completion(generate, prompt_ids, cfg, tokens, rng, version)
-        return (await rewards.score(encoder.decode(out.tokens), prompt)).passed
-
-    rng = random.Random(seed)
-    results: dict[str, list[bool]] = {}
-    skipped = 0
-    for task, task_prompts in prompts.items():
-        jobs = []
-        for prompt in task_prompts:
-            ids = encoder.encode(prompt)
-            seeds = [rng.random() for _ in range(samples)]  # drawn for every prompt: the same draws per prompt
-            if len(ids) > cfg.max_prompt_tokens:
-                skipped += 1
-                continue
-            jobs += [one(prompt, ids, random.Random(s)) for s in seeds]
-        results[task] = list(await asyncio.gather(*jobs))
-    metrics = {f"val/pass_rate/{task}": sum(r) / max(len(r), 1) for task, r in results.items()}
-    every = [p for r in results.values() for p in r]
-    metrics["val/pass_rate"] = sum(every) / max(len(every), 1)
-    metrics["val/long_prompts_skipped"] = float(skipped)
-    return metrics

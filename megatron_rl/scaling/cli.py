@@ -7,6 +7,7 @@ megatron-rl fit run.jsonl --extrapolate-from 50000         fit up to 50k, predic
 megatron-rl fit 512=b512.jsonl 2048=b2048.jsonl --axis batch       label runs on the command line
 megatron-rl fit runs/*/metrics.jsonl --axis rollout.generations_per_prompt   label from header/config.yaml
 megatron-rl fit run.jsonl --metric 'val/pass_rate/*'       one curve per task
+megatron-rl fit run.jsonl --metric val/pass_rate,downstream/aime24/mean@16   validation beside AIME-24
 megatron-rl fit export.csv --compute-col gpu_hours --metric val/pass_rate   a wandb CSV export
 
 Warm-up cut: --fit-start, else the paper's 1,500 when the compute column is GPU-hours (device_hours,
@@ -76,7 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="bootstrap seed")
     p.add_argument("--compute-col", default="device_hours", help="compute column (default device_hours)")
     p.add_argument("--compute-scale", type=float, default=1.0, help="multiply the compute column by this")
-    p.add_argument("--metric", default="val/pass_rate", help="performance column; 'val/pass_rate/*': one per task")
+    p.add_argument(
+        "--metric",
+        default="val/pass_rate",
+        help="performance column; 'val/pass_rate/*': one per task; 'downstream/*/mean@16': one per benchmark; "
+        "comma-separated columns are fitted and plotted side by side",
+    )
     p.add_argument("--step-col", default="step", help="step column (duplicate steps: the last row wins)")
     p.add_argument("--r0", type=float, default=None, help="R0 (default: the first evaluation of each run)")
     p.add_argument("--compare", action="store_true", help="the paper's rule: shared A within --margin, compare B")
@@ -106,9 +112,16 @@ def _load(args: argparse.Namespace) -> list[Curve]:
     are repeated runs of one recipe, pooled into one curve; runs whose names merely coincide are an error."""
     groups: dict[str, list[Curve]] = {}
     named: set[str] = set()
+    metrics = _metrics(args)
     for spec in args.runs:
         label, path = _resolve_run(spec)
-        loaded = load_curves(path, args.compute_col, args.metric, label, args.step_col, args.compute_scale)
+        loaded = []
+        for metric in metrics:
+            curves = load_curves(path, args.compute_col, metric, label, args.step_col, args.compute_scale)
+            if len(metrics) > 1:  # several metrics of one run side by side: each curve named by its metric
+                for curve in curves:
+                    curve.label = f"{curve.label} {metric}" if len(curves) == 1 else curve.label
+            loaded += curves
         if args.axis and label is None:
             for curve in loaded:
                 value = label_for(curve, args.axis)
@@ -127,6 +140,11 @@ def _load(args: argparse.Namespace) -> list[Curve]:
     if args.axis:
         curves.sort(key=lambda c: sort_key(c.label))
     return curves
+
+
+def _metrics(args: argparse.Namespace) -> list[str]:
+    """--metric's comma-separated columns (validation and downstream side by side)."""
+    return [m.strip() for m in args.metric.split(",") if m.strip()]
 
 
 PAPER_FIT_START = 1500.0
@@ -307,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_rl.scaling.plot import plot_results
 
         ylabel = "validation pass rate" if args.metric.startswith("val/pass_rate") else args.metric
-        if args.metric != "val/pass_rate":
+        if len(_metrics(args)) > 1:
+            ylabel = "pass rate (validation and downstream)"
+        elif args.metric != "val/pass_rate":
             ylabel += f" ({args.metric})" if ylabel != args.metric else ""
         title = args.title
         written = plot_results(

@@ -124,10 +124,14 @@ def _read_rows(path: Path) -> tuple[dict[str, Any], list[tuple[int, dict[str, An
 
 
 def _metrics_matching(metric: str, columns: list[str]) -> list[str]:
-    if not metric.endswith("*"):
+    if "*" not in metric:
         return [metric]
-    prefix = metric[:-1]
-    return [c for c in columns if c.startswith(prefix) and len(c) > len(prefix)]
+    if metric.endswith("*") and metric.count("*") == 1:
+        prefix = metric[:-1]
+        return [c for c in columns if c.startswith(prefix) and len(c) > len(prefix)]
+    import fnmatch
+
+    return [c for c in columns if fnmatch.fnmatchcase(c, metric) and not c.endswith("_se")]
 
 
 def load_curves(
@@ -139,7 +143,8 @@ def load_curves(
     compute_scale: float = 1.0,
 ) -> list[Curve]:
     """The (compute, metric) curves of one run; `metric` ending in `*` gives one curve per matching column
-    (`val/pass_rate/*`: one per task). Rows without the metric are skipped (validation is periodic)."""
+    (`val/pass_rate/*`: one per task), a `*` elsewhere one per column it matches (`downstream/*/mean@16`: one per
+    benchmark). Rows without the metric are skipped (validation and downstream evaluation are periodic)."""
     path = Path(path)
     if not path.is_file():
         raise FitError(f"{path}: no such file")
@@ -157,7 +162,10 @@ def load_curves(
     curves = []
     for m in metrics:
         curve = _curve(path, rows, compute_col, m, step_col if step_col in columns else None, compute_scale)
-        curve.label = name if len(metrics) == 1 else f"{name} {m[len(metric) - 1 :]}"
+        if len(metrics) == 1:
+            curve.label = name
+        else:
+            curve.label = f"{name} {m[len(metric) - 1 :] if metric.endswith('*') and metric.count('*') == 1 else m}"
         curve.header = header
         curves.append(curve)
     return curves
