@@ -742,7 +742,7 @@ class RewardsConfig:
             _fail("processes", f"must be >= 1, got {self.processes}")
 
 
-DOWNSTREAM_BENCHMARKS = ("aime24", "aime25", "math500", "livecodebench", "synthetic_long")
+DOWNSTREAM_BENCHMARKS = ("aime24", "aime25", "math500", "livecodebench", "synthetic_large")
 """The downstream benchmarks data/benchmarks.py loads."""
 
 
@@ -763,7 +763,7 @@ class BenchmarkConfig:
     `NAME=PATH` for {name: NAME, source: PATH}."""
 
     name: str = "aime24"
-    """One of aime24, aime25, math500, livecodebench, synthetic_long (the CPU demo's held-out additions)."""
+    """One of aime24, aime25, math500, livecodebench, synthetic_large (the CPU run's held-out sums >= 180)."""
     source: str | None = None
     """A local .jsonl/.parquet file in the published schema (LiveCodeBench: also a downloaded copy of its
     dataset repository), or another hub name; default: the benchmark's own hub name."""

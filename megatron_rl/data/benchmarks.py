@@ -16,7 +16,7 @@ as a training reward is.
     math500         HuggingFaceH4/MATH-500 (test)          problem, answer, unique_id
     livecodebench   livecodebench/code_generation_lite     question_content, starter_code, public_test_cases,
                     (its release files)                    private_test_cases, metadata.func_name, contest_date
-    synthetic_long  generated, no download                 3-digit additions, held out from the 2-digit task
+    synthetic_large generated, no download                 the additions with sums >= 180, never training rows
 
 LiveCodeBench: `version` picks the release files as its harness does (release_vN = test.jsonl .. testN.jsonl,
 vN = the problems added in release N alone), and `start_date`/`end_date` keep the problems whose contest date is
@@ -35,7 +35,6 @@ import base64
 import io
 import json
 import pickle
-import random
 import threading
 import zlib
 from collections.abc import Callable
@@ -47,6 +46,7 @@ from typing import Any
 from megatron_rl.config import BenchmarkConfig
 from megatron_rl.data.code_tests import normalise_tests
 from megatron_rl.data.datasets import DatasetError, Prompt, read_rows
+from megatron_rl.data.synthetic import large_sum_rows
 
 
 @dataclass
@@ -211,24 +211,12 @@ def lcb_files(version: str) -> list[str]:
     )
 
 
-SYNTHETIC_LONG_PROBLEMS = 128
-
-
-def synthetic_long_rows(seed: int = 0) -> list[dict[str, Any]]:
-    """3-digit additions (100..999 + 100..999): the CPU demo's downstream set, held out from the training
-    task (`synthetic:arithmetic`, operands up to 99) by construction: a policy must carry the column method
-    one column further than it ever trained on."""
-    rng = random.Random(f"synthetic_long:{seed}")
-    pairs = [(rng.randint(100, 999), rng.randint(100, 999)) for _ in range(SYNTHETIC_LONG_PROBLEMS)]
-    return [{"id": f"{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in pairs]
-
-
 BENCHMARKS: dict[str, Spec] = {
     "aime24": Spec("math", "HuggingFaceH4/aime_2024", "train", _math_row),
     "aime25": Spec("math", "yentinglin/aime_2025", "train", _math_row),
     "math500": Spec("math", "HuggingFaceH4/MATH-500", "test", _math_row),
     "livecodebench": Spec("code", "livecodebench/code_generation_lite", "train", _lcb_row),
-    "synthetic_long": Spec("math", "", "", _math_row),
+    "synthetic_large": Spec("math", "", "", _math_row),
 }
 
 
@@ -275,8 +263,8 @@ def load_benchmark(cfg: BenchmarkConfig) -> BenchmarkSet:
 
 def _benchmark_rows(cfg: BenchmarkConfig, spec: Spec) -> tuple[str, list[tuple[int | str, Any]]]:
     """(a name for messages, the raw rows with their 1-based line or position)."""
-    if cfg.name == "synthetic_long":
-        return "synthetic_long", list(enumerate(synthetic_long_rows(), start=1))
+    if cfg.name == "synthetic_large":
+        return "synthetic:large_sums", list(enumerate(large_sum_rows(), start=1))
     if cfg.source is not None and Path(cfg.source).suffix in (".jsonl", ".parquet"):
         return cfg.source, read_rows(cfg.source, "train")
     hub = cfg.source or spec.hub

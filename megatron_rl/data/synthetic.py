@@ -3,7 +3,8 @@
 `linear_code`: "Write a Python function f(x) that returns 3 * x + 4." (call-based tests) or the same as a
 stdin/stdout program, for math+code runs on CPU.
 
-`arithmetic`: "What is 37 + 45?" with answer "82". Its worked solution, used by the supervised warm-up
+`arithmetic`: "What is 37 + 45?" with answer "82" (sums of 180 and more held out: `large_sum_rows`, the CPU
+run's downstream benchmark). Its worked solution, used by the supervised warm-up
 that gives the CPU run a non-zero starting pass rate, adds the columns right to left:
 
     <think>7+5=12 3+4+1=8</think>\\boxed{82}
@@ -24,15 +25,33 @@ from collections.abc import Callable
 Row = dict[str, object]
 
 
+HELD_OUT_SUM = 180
+"""Additions whose sum is at least this are never training rows: they are the CPU demo's downstream set."""
+
+
 def arithmetic_rows(seed: int = 0, max_operand: int = 99) -> list[Row]:
-    """Every a + b with 0 <= a, b <= max_operand, shuffled by `seed`."""
+    """Every a + b with 0 <= a, b <= max_operand, shuffled by `seed`, except those with a + b >= HELD_OUT_SUM
+    (`large_sum_rows`)."""
     rows: list[Row] = [
         {"id": f"add-{a}-{b}", "prompt": f"What is {a} + {b}?", "answer": str(a + b)}
         for a in range(max_operand + 1)
         for b in range(max_operand + 1)
+        if a + b < HELD_OUT_SUM
     ]
     random.Random(seed).shuffle(rows)
     return rows
+
+
+def large_sum_rows() -> list[Row]:
+    """The 190 additions of two operands up to 99 whose sum is 180 or more: held out of `arithmetic_rows` (and so
+    of the warm-up and validation), and harder (every one carries through both columns), as a downstream
+    benchmark is to a training distribution."""
+    return [
+        {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
+        for a in range(100)
+        for b in range(100)
+        if a + b >= HELD_OUT_SUM
+    ]
 
 
 def arithmetic_solution(prompt: str, slip: float = 0.0, rng: random.Random | None = None) -> str:

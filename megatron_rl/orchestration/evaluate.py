@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--checkpoint", required=True, help="HF directory, run directory or checkpoint step dir")
     parser.add_argument("--start", action="store_true", help="also evaluate the run's starting model: the gain")
     parser.add_argument(
-        "--benchmarks", help="comma-separated: aime24,aime25,math500,livecodebench,synthetic_long (NAME=PATH: local)"
+        "--benchmarks", help="comma-separated: aime24,aime25,math500,livecodebench,synthetic_large (NAME=PATH: local)"
     )
     parser.add_argument("--samples", type=int, help="samples per problem, n (default eval.downstream's)")
     parser.add_argument("--temperature", type=float, help="default: the run's rollout.sampling")

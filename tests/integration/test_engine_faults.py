@@ -45,6 +45,7 @@ SMALL = [
     "data.val_prompts=16",
     "eval.every_steps=2",
     "eval.samples_per_prompt=2",
+    "eval.downstream.benchmarks=[]",
     "rollout.prompts_per_step=8",
     "rollout.generations_per_prompt=4",
     f"rollout.k={K}",

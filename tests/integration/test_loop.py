@@ -23,6 +23,7 @@ SMALL = [
     "data.val_prompts=16",
     "eval.every_steps=2",
     "eval.samples_per_prompt=2",
+    "eval.downstream.benchmarks=[]",
     "rollout.prompts_per_step=8",
     "rollout.generations_per_prompt=4",
     "logging.wandb=offline",
@@ -63,8 +64,11 @@ def _train(tmp: Path, name: str, extra: list[str], model: str | None = None, sma
     return rows
 
 
+DOWNSTREAM = ["eval.downstream.benchmarks=[{name: synthetic_large, limit: 16}]", "eval.downstream.every_steps=2"]
+
+
 def test_pipeline_rl_run_learns_logs_and_resumes(tmp_path):
-    rows = _train(tmp_path, "pipe", ["total_steps=4", "rollout.k=2"])
+    rows = _train(tmp_path, "pipe", ["total_steps=4", "rollout.k=2", *DOWNSTREAM])
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in rows:
@@ -81,10 +85,42 @@ def test_pipeline_rl_run_learns_logs_and_resumes(tmp_path):
     checkpoint = tmp_path / "pipe" / "checkpoints"
     assert (checkpoint / "latest").read_text() == "step_00000004"
 
-    resumed = _train(tmp_path, "pipe", ["total_steps=6", "rollout.k=2"])
+    # downstream at steps 0 and 2 (logged with the steps they preceded) and at the end, beside validation
+    downstream = [r for r in rows if "downstream/synthetic_large/mean@2" in r]
+    assert [r["step"] for r in downstream] == [1, 3, 4] and all("val/pass_rate" in r for r in downstream)
+    for r in downstream:
+        assert r["downstream/synthetic_large/problems"] == 16
+        assert 0 <= r["downstream/synthetic_large/mean@2"] <= r["downstream/synthetic_large/pass@2"] <= 1
+    records = [json.loads(line) for line in (tmp_path / "pipe" / "downstream.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 2, 4]
+    assert records[0]["sampling"]["temperature"] == 1.0 and records[0]["sampling"]["samples_per_problem"] == 2
+    assert len(records[0]["results"]["synthetic_large"]["passed"]) == 16
+
+    resumed = _train(tmp_path, "pipe", ["total_steps=6", "rollout.k=2", *DOWNSTREAM])
     new_steps = [r["step"] for r in resumed if "train/loss" in r]
     assert new_steps[-2:] == [5, 6]  # continued at the next step, nothing retrained
     assert new_steps.count(4) == 1
+
+    # the run's downstream gain, one command: its latest checkpoint (exported to HF) and its starting model
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "eval", "--checkpoint", str(tmp_path / "pipe"), "--start"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, PYTHONWARNINGS="ignore"),
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "gain (checkpoint - start)" in out.stdout and "synthetic_large" in out.stdout
+    results = json.loads((tmp_path / "pipe" / "eval" / "results.json").read_text())
+    assert set(results["models"]) == {"start", "checkpoint"}
+    assert results["models"]["checkpoint"]["path"].endswith("step_00000006")
+    for model in results["models"].values():
+        result = model["results"]["synthetic_large"]
+        assert result["problems"] == 16 and result["samples"] == 2
+    assert results["sampling"]["interruption"] is True and "gain" in results
+    # the same problems as the run's own evaluations
+    start = results["models"]["start"]["results"]["synthetic_large"]["passed"]
+    assert set(start) == set(records[0]["results"]["synthetic_large"]["passed"])
 
 
 def test_ppo_off_policy_run(tmp_path):

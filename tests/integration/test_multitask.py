@@ -25,6 +25,7 @@ OVERRIDES = [
     "data.val_prompts=8",
     "eval.every_steps=1",
     "eval.samples_per_prompt=2",
+    "eval.downstream.benchmarks=[]",
     "rollout.prompts_per_step=8",
     "rollout.generations_per_prompt=4",
     "checkpoint.every_steps=100",

@@ -90,7 +90,8 @@ def _logs(tmp: Path, name: str) -> str:
 
 
 SMALL = (
-    "data.val_prompts=8 eval.every_steps=100 eval.samples_per_prompt=2 rollout.prompts_per_step=4 "
+    "data.val_prompts=8 eval.every_steps=100 eval.samples_per_prompt=2 eval.downstream.benchmarks=[] "
+    "rollout.prompts_per_step=4 "
     "rollout.generations_per_prompt=4 checkpoint.every_steps=100"
 )
 
