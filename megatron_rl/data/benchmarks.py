@@ -266,7 +266,8 @@ def _benchmark_rows(cfg: BenchmarkConfig, spec: Spec) -> tuple[str, list[tuple[i
     if cfg.name == "synthetic_large":
         return "synthetic:large_sums", list(enumerate(large_sum_rows(), start=1))
     if cfg.source is not None and Path(cfg.source).suffix in (".jsonl", ".parquet"):
-        return cfg.source, read_rows(cfg.source, "train")
+        local: list[tuple[int | str, Any]] = [*read_rows(cfg.source, "train")]
+        return cfg.source, local
     hub = cfg.source or spec.hub
     if cfg.name == "livecodebench":
         files = lcb_files(cfg.version)

@@ -44,8 +44,8 @@ def arithmetic_rows(seed: int = 0, max_operand: int = 99) -> list[Row]:
 
 def large_sum_rows() -> list[Row]:
     """The 190 additions of two operands up to 99 whose sum is 180 or more: held out of `arithmetic_rows` (and so
-    of the warm-up and validation), and harder (every one carries through both columns), as a downstream
-    benchmark is to a training distribution."""
+    of the warm-up and validation), and harder (a three-digit sum from large digits in both columns), as a
+    downstream benchmark is to a training distribution."""
     return [
         {"id": f"add-{a}-{b}", "problem": f"What is {a} + {b}?", "answer": str(a + b)}
         for a in range(100)

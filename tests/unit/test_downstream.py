@@ -290,3 +290,30 @@ def test_fit_fits_downstream_keys_beside_validation(tmp_path):
         (fit,) = json.loads(alone.read_text())["runs"].values()
         key = "demo val/pass_rate" if metric == "val/pass_rate" else "demo downstream/aime24/mean@4"
         assert (fit["A"], fit["B"], fit["C_mid"]) == (runs[key]["A"], runs[key]["B"], runs[key]["C_mid"])
+
+
+# --------------------------------------------------------------------------------------------------
+# megatron-rl eval: what it refuses before starting anything
+
+
+def test_eval_refuses_a_checkpoint_without_a_tokenizer_and_a_run_without_benchmarks(tmp_path, capsys):
+    from megatron_rl.cli import main
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    args = ["eval", "--checkpoint", str(hf), "--recipe", "scalerl-cpu"]
+    assert main([*args, "--benchmarks", "synthetic_large"]) == 2
+    err = capsys.readouterr().err
+    assert f"{hf}: no tokenizer" in err and "tokenizer.json" in err
+    assert main([*args, "eval.downstream.benchmarks=[]"]) == 2
+    assert "no benchmarks: give --benchmarks" in capsys.readouterr().err
+    assert main([*args, "--benchmarks", "aime23"]) == 2
+    assert "unknown benchmark 'aime23'" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", str(tmp_path)]) == 2  # neither an HF directory nor a run
+    assert "neither a Hugging Face directory" in capsys.readouterr().err
+    (hf / "tokenizer.json").write_text("{}")
+    assert main([*args, "--start", "--benchmarks", "synthetic_large"]) == 2
+    assert "--start" in capsys.readouterr().err
