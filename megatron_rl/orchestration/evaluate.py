@@ -253,7 +253,9 @@ def _run(
     reaper = Reaper.start()
     started_ray = not ray.is_initialized()
     try:
-        if started_ray:
+        if started_ray and os.environ.get("RAY_ADDRESS"):  # inside a cluster allocation: its Ray, its GPUs
+            ray.init(address="auto", include_dashboard=False)
+        elif started_ray:  # a fresh local instance, as `megatron-rl train` starts one
             engines = run.rollout.engine.num_engines
             ray.init(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, engines + 1))
         results = {}
