@@ -43,6 +43,7 @@ from megatron_rl.scaling.compare import (
     table,
 )
 from megatron_rl.scaling.curves import Curve, label_for, load_curves, pool_runs, sort_key
+from megatron_rl.scaling.decision import Crossover, Difference, crossovers, decide, decision_table
 from megatron_rl.scaling.fit import METHODS, PAPER_A_GRID, PAPER_C_MID_GRID, FitError
 
 
@@ -91,6 +92,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--extrapolate-from", default=None, metavar="C|half", help="fit up to compute C (or half of each run)"
     )
     p.add_argument("--axis", default=None, metavar="KEY", help="scaling axis: label runs by this header/config key")
+    p.add_argument(
+        "--crossover-range",
+        type=float,
+        nargs=2,
+        metavar=("C1", "C2"),
+        help="where to look for crossovers of two or more curves (default: the first evaluation to the largest "
+        "--predict-at or last evaluation)",
+    )
     p.add_argument("--json", default=None, metavar="OUT", help="write every number printed as JSON here")
     return p
 
@@ -270,6 +279,34 @@ def _payload(results: list[Result], args: argparse.Namespace, shared: list) -> d
     }
 
 
+def _decision(results: list[Result], args: argparse.Namespace) -> tuple[list[Difference], list[Crossover]]:
+    """Every pair of fitted curves at each --predict-at, and where they cross (scaling/decision.py)."""
+    if args.crossover_range:
+        span = (args.crossover_range[0], args.crossover_range[1])
+    else:
+        first = min(float(r.curve.compute[r.curve.compute > 0].min()) for r in results)
+        span = (first, max([float(r.curve.compute.max()) for r in results] + args.predict_at))
+    return decide(results, args.predict_at), crossovers(results, span)
+
+
+def _comparable(results: list[Result]) -> bool:
+    """Two or more runs (or groups of runs) on one metric: a decision between them means something; the tasks
+    or the validation and downstream curves of one run do not compete."""
+    metrics, sources = {r.curve.metric for r in results}, {r.curve.source for r in results}
+    return len(results) > 1 and len(metrics) == 1 and len(sources) > 1
+
+
+def check_units(curves: list[Curve]) -> None:
+    """Curves compared on one axis must count compute the same way: a CPU run's device-hours are core-hours."""
+    kinds = {c.label: c.header.get("device_kind") for c in curves if c.header.get("device_kind")}
+    if len(set(kinds.values())) > 1:
+        named = ", ".join(f"{label} ({kind})" for label, kind in kinds.items())
+        raise FitError(
+            f"the runs count compute in different units: {named}; compare runs of one device kind, or rescale one "
+            "(--compute-scale applies to every run)"
+        )
+
+
 def _check_args(args: argparse.Namespace) -> str | None:
     if args.extrapolate_from not in (None, "half"):
         try:
@@ -282,6 +319,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--bootstrap must be >= 0, got {args.bootstrap}"
     if args.compute_scale <= 0:
         return f"--compute-scale must be > 0, got {args.compute_scale}"
+    if args.crossover_range and not 0 < args.crossover_range[0] < args.crossover_range[1]:
+        return f"--crossover-range must be 0 < C1 < C2, got {args.crossover_range}"
     return None
 
 
@@ -293,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         curves = _load(args)
+        if len(curves) > 1:
+            check_units(curves)
         results, failed = _fit(curves, args)
         compare = args.compare and len(results) > 1
         shared = (
@@ -309,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"megatron-rl fit: {curve.label} ({curve.source}) not fitted: {reason}", file=sys.stderr)
     if results:
         print(table(results, args.predict_at, args.axis))
+    decision = _decision(results, args) if _comparable(results) and args.bootstrap else None
+    if decision is not None:
+        print()
+        print(decision_table(decision[0], decision[1], args.level))
     if compare:
         print()
         print(shared_table(shared, args.margin))
@@ -342,11 +387,18 @@ def main(argv: list[str] | None = None) -> int:
             axis=args.axis,
             efficiency_fits={r.curve.label: f for g in shared for r, f in zip(g.results, g.refits, strict=True)},
             unfitted=[curve for curve, _ in failed],
+            crossovers=decision[1] if decision is not None else None,
         )
         print("wrote " + ", ".join(map(str, written)))
     if args.json:
         payload = _payload(results, args, shared)
         payload["failed"] = [{"label": c.label, "source": c.source, "reason": reason} for c, reason in failed]
+        if decision is not None:
+            payload["decision"] = {
+                "intervals": "joint bootstrap of the fitted curves (expected R at the compute, not a new evaluation)",
+                "differences": [d.as_dict() for d in decision[0]],
+                "crossovers": [c.as_dict() for c in decision[1]],
+            }
         Path(args.json).write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
     if failed:

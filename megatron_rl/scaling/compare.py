@@ -162,6 +162,11 @@ def table(results: list[Result], predict_at: list[float] | None = None, axis: st
         lines += [f"    warning ({r.curve.label}): {w}" for w in r.fit.warnings]
     if boots:
         lines += interval_notes(boots[0], pooled)
+        if predict_at:
+            lines.append(
+                "  R@C: the interval of the fitted curve at C (where the expected pass rate lies); one new evaluation "
+                "there varies more (the extrapolation check's interval adds the evaluation noise)."
+            )
     return "\n".join(lines)
 
 
@@ -213,7 +218,8 @@ def extrapolation_table(results: list[Result]) -> str:
             continue
         lines.append(
             f"{r.curve.label}: fit up to {e.cut:g}, predict {e.last_compute:g}: {e.predicted:.3f} "
-            f"[{e.interval[0]:.3f}, {e.interval[1]:.3f}] vs observed {e.last_observed:.3f} (error {e.error:+.3f}; "
+            f"[{e.interval[0]:.3f}, {e.interval[1]:.3f}] (interval of one new evaluation: curve + evaluation noise) "
+            f"vs observed {e.last_observed:.3f} (error {e.error:+.3f}; "
             f"rmse over the {e.heldout_points} held-out points {e.heldout_rmse:.4f})"
         )
     return "\n".join(lines)
