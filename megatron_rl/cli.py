@@ -3,7 +3,9 @@
     megatron-rl recipes                              list the recipes and what each changes
     megatron-rl check --recipe R [--model M] [k=v]   resolve and validate a run config, print the plan
     megatron-rl plan --recipe R [--model M] [--allocation NxG] [k=v]
-                                                     memory per trainer GPU and engine; refuses what won't fit
+                                                     memory per trainer GPU and engine (refuses what won't fit)
+                                                     and GPU-hours per step; --sweep KEY=V1,V2 --budget H: steps
+                                                     of each at equal compute; --calibrate RUN: vs a real run
     megatron-rl node-check --recipe R [--model M] [--gpus N] [k=v]
                                                      this GPU node's driver and GPUs against the run
     megatron-rl train --recipe R [--model M] [k=v]   run (or resume) a ScaleRL training run
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import shlex
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -139,15 +142,71 @@ def check_memory(config: Any, gpus_per_node: int | None = None) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    if args.calibrate:
+        return _calibrate(args)
     config = load_config(args.recipe, args.model, args.overrides)
     gpus_per_node = check_allocation(config, args.allocation) if args.allocation else None
     if config.compute.device_kind != "gpu":
         print(
             f"memory plan: {config.recipe} runs on CPU cores (compute.device_kind={config.compute.device_kind}); "
-            "the plan sizes GPU memory, so there is nothing to plan. Plan a GPU recipe, e.g. --recipe scalerl"
+            "the plan sizes GPU memory and GPU-hours, so there is nothing to plan. Plan a GPU recipe, e.g. "
+            "--recipe scalerl"
         )
         return 0
+    if args.sweep:
+        return _sweep(args)
     check_memory(config, gpus_per_node)
+    from megatron_rl.scaling.cost import format_cost, step_cost
+
+    print(format_cost(step_cost(config, args.gpu, response_tokens=args.response_tokens)))
+    return 0
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    """Each value of one config key at equal compute: its cost per step, the steps the budget buys, the command."""
+    from megatron_rl.scaling.cost import step_cost, steps_at
+
+    key, sep, values = args.sweep.partition("=")
+    choices = [v for v in values.split(",") if v]
+    if not sep or not choices:
+        raise ConfigError(f"--sweep: expected KEY=V1,V2,... (e.g. rollout.prompts_per_step=24,48), got {args.sweep!r}")
+    if args.budget is None or args.budget <= 0:
+        raise ConfigError("--sweep needs --budget GPU_HOURS > 0: the compute each configuration gets")
+    rows = []
+    for value in choices:
+        config = load_config(args.recipe, args.model, [*args.overrides, f"{key}={value}"])
+        cost = step_cost(config, args.gpu, response_tokens=args.response_tokens)
+        steps = steps_at(args.budget, cost)
+        command = ["megatron-rl", "train", "--recipe", args.recipe, *(["--model", args.model] if args.model else [])]
+        command += [*args.overrides, f"{key}={value}", f"total_steps={steps}", f"name={config.name}-{value}"]
+        rows.append((value, cost, steps, shlex.join(command)))
+    print(f"sweep of {key} at {args.budget:,.0f} GPU-hours each ({args.gpu}; cost model, --calibrate RUN checks it)")
+    for value, cost, steps, _ in rows:
+        per_step = f"{cost.gpu_hours_per_step:,.3f} GPU-hours/step ({cost.step_s:,.0f} s on {cost.gpus} GPUs"
+        print(f"  {key}={value}: {per_step}, {cost.bound}-bound) -> {steps:,} steps")
+    print("commands:")
+    for *_, command in rows:
+        print(f"  {command}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """The cost model against a run's own measured GPU-hours per step."""
+    from pathlib import Path
+
+    from megatron_rl.config import load_resolved
+    from megatron_rl.scaling.cost import calibrate, format_calibration
+
+    run_dir = Path(args.calibrate)
+    if not (run_dir / "config.yaml").is_file() or not (run_dir / "metrics.jsonl").is_file():
+        raise ConfigError(f"--calibrate {run_dir}: a run directory needs config.yaml and metrics.jsonl")
+    config = load_resolved(run_dir / "config.yaml")
+    if config.compute.device_kind != "gpu":
+        raise ConfigError(
+            f"--calibrate {run_dir}: a {config.compute.device_kind} run; the cost model has figures for GPUs only "
+            "(its device-hours are core-hours)"
+        )
+    print(format_calibration(calibrate(config, run_dir / "metrics.jsonl", args.gpu)))
     return 0
 
 
@@ -227,6 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="memory per trainer GPU and engine against the device; refuse what won't fit")
     _add_run_args(plan)
     plan.add_argument("--allocation", help="NODESxGPUS_PER_NODE: also check the GPU split against it")
+    plan.add_argument("--gpu", default="h100", choices=("h100", "h200", "a100", "b200"), help="for the cost per step")
+    plan.add_argument("--response-tokens", type=float, help="expected tokens per completion (default: from budgets)")
+    plan.add_argument("--sweep", metavar="KEY=V1,V2", help="cost and steps of each value at equal compute (--budget)")
+    plan.add_argument("--budget", type=float, metavar="GPU_HOURS", help="compute per configuration of a --sweep")
+    plan.add_argument("--calibrate", metavar="RUN_DIR", help="the cost model against a run's measured cost per step")
     plan.set_defaults(func=_cmd_plan)
     node = sub.add_parser("node-check", help="this GPU node's driver and GPUs against the run (Slurm bootstrap)")
     _add_run_args(node)
