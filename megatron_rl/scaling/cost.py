@@ -33,6 +33,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from megatron_rl.config import ModelConfig, RunConfig
 
 GPUS: dict[str, tuple[float, float]] = {
@@ -49,11 +51,12 @@ B200)."""
 class Efficiency:
     """The model's free constants: what share of peak a real run reaches."""
 
-    mfu: float = 0.35
-    """Trainer model-FLOPs utilisation (Megatron-LM reports 0.38-0.47 for dense pretraining on H100; RL's
-    variable-length packed rows and the fp32 head run lower)."""
-    decode_bandwidth: float = 0.6
-    """Share of HBM bandwidth a decode iteration reaches (vLLM/SGLang at large batch)."""
+    mfu: float = 0.5
+    """Trainer FLOP/s over peak, recomputed FLOPs counted. Calibrated on NeMo-RL's published Llama-3.1-8B GRPO
+    breakdown (Megatron, H100: 0.516; benchmarks/bench_cost_model.py); MoE training runs lower there."""
+    decode_bandwidth: float = 0.45
+    """Share of HBM bandwidth a decode iteration reaches; calibrated on the same breakdown's generation (vLLM,
+    0.455)."""
     decode_mfu: float = 0.4
     """Share of peak FLOP/s when decoding is compute-bound (very large batches) and for prefill."""
     sync_gbps: float = 20.0
@@ -118,6 +121,11 @@ class StepCost:
     push_s: float
     step_s: float
     mode: str
+    round_s: float
+    """A synchronous round of generation (PPO-off-policy-k: k batches; else one): the batch started at once, its
+    longest completions setting its length."""
+    forward_s: float
+    """One forward pass over the step's tokens on the trainer GPUs (a separate log-prob pass, as some peers run)."""
 
     @property
     def gpus(self) -> int:
@@ -180,37 +188,63 @@ def step_cost(
     trainer_gpus = run.parallel.trainer_devices
     train_s = train_flops / (trainer_gpus * peak * eff.mfu)
 
-    # Generation: one engine of engine.tp GPUs, the pipeline's in-flight sequences
+    # Generation on engines of engine.tp GPUs
     engine = r.engine
+    decode = _Decode(model, p, engine.tp, peak, bandwidth, eff)
     batch = max(1, -(-r.groups_in_flight * r.generations_per_prompt // engine.num_engines))
-    context = prompt + response / 2
-    if p.expert:
-        experts = model.moe.num_experts or 1
-        touched = 1.0 - (1.0 - model.moe.router_topk / experts) ** batch
-        weights = (p.total - p.expert + p.expert * touched) * 2.0
-    else:
-        weights = p.total * 2.0
-    read = (weights + batch * context * p.kv_bytes_per_token) / engine.tp
-    memory_s = read / (bandwidth * eff.decode_bandwidth)
-    compute_s = 2.0 * p.active * batch / engine.tp / (peak * eff.decode_mfu)
-    iteration_s = max(memory_s, compute_s)
-    per_engine = batch / iteration_s
-    decode_tokens_per_s = per_engine * engine.num_engines
+    iteration_s = decode.iteration_s(batch, prompt + response / 2)
+    decode_tokens_per_s = batch / iteration_s * engine.num_engines
     prefill_s = 2.0 * p.active * completions * prompt / (engine.num_engines * engine.tp * peak * eff.decode_mfu)
-    generate_s = completions * response / decode_tokens_per_s + prefill_s
-
+    generate_s = completions * response / decode_tokens_per_s + prefill_s  # continuous batching: the steady rate
+    round_batch = completions * (r.k if r.mode == "ppo_off_policy" else 1) / engine.num_engines
+    round_s = decode.round_s(round_batch, prompt, response, r.max_completion_tokens) + prefill_s * round_batch * (
+        engine.num_engines / completions
+    )
+    forward_s = 2.0 * p.active * tokens / (trainer_gpus * peak * eff.mfu)
     push_s = p.total * 2.0 / (eff.sync_gbps * 1e9) + eff.push_overhead_s
     if r.mode == "pipeline":
         step_s = max(generate_s, train_s + push_s)
-    else:
+    else:  # a round of k batches from frozen weights: its longest completions set its length
         k = r.k
-        rounds = k * generate_s
-        step_s = (max(rounds + train_s, rounds / k + k * train_s) + push_s) / k
+        step_s = (max(round_s + train_s, round_s / k + k * train_s) + push_s) / k
     generator_gpus = run.compute.generator_devices or engine.num_engines * engine.tp
     return StepCost(
         gpu, eff, trainer_gpus, generator_gpus, response, tokens, train_flops, train_s, generate_s, batch,
-        decode_tokens_per_s, push_s, step_s, r.mode,
+        decode_tokens_per_s, push_s, step_s, r.mode, round_s, forward_s,
     )  # fmt: skip
+
+
+class _Decode:
+    """Decode iterations of one engine: memory-bound (weights + KV cache read per iteration) or compute-bound."""
+
+    def __init__(self, model: ModelConfig, p: Parameters, tp: int, peak: float, bandwidth: float, eff: Efficiency):
+        self.model, self.p, self.tp, self.peak, self.bandwidth, self.eff = model, p, tp, peak, bandwidth, eff
+
+    def iteration_s(self, batch: float, context: float) -> float:
+        """One decode iteration of `batch` running sequences with `context` tokens each on average."""
+        p, b = self.p, max(batch, 1.0)
+        if p.expert:
+            experts = self.model.moe.num_experts or 1
+            touched = 1.0 - (1.0 - self.model.moe.router_topk / experts) ** b
+            weights = (p.total - p.expert + p.expert * touched) * 2.0
+        else:
+            weights = p.total * 2.0
+        memory_s = (
+            (weights + b * context * p.kv_bytes_per_token) / self.tp / (self.bandwidth * self.eff.decode_bandwidth)
+        )
+        compute_s = 2.0 * p.active * b / self.tp / (self.peak * self.eff.decode_mfu)
+        return max(memory_s, compute_s)
+
+    def round_s(self, batch: float, prompt: float, mean: float, budget: float) -> float:
+        """A synchronous round: `batch` sequences started together, lengths exponential with mean `mean` cut at
+        `budget`; the iteration goes on while any sequence runs, so the longest ones set the time (the batch thins
+        as the others finish)."""
+        t = np.arange(int(budget), dtype=np.float64)
+        alive = np.exp(-t / max(mean, 1.0))  # survival of one sequence past t tokens
+        any_alive = 1.0 - (1.0 - alive) ** batch
+        running = np.maximum(batch * alive / np.maximum(any_alive, 1e-300), 1.0)
+        per_iteration = np.array([self.iteration_s(b, prompt + i) for b, i in zip(running[::64], t[::64], strict=True)])
+        return float(np.sum(np.repeat(per_iteration, 64)[: t.size] * any_alive))
 
 
 def format_cost(cost: StepCost) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -48,7 +49,8 @@ def test_trainer_flops_and_time_by_hand():
     if run.trainer.recompute.granularity == "full":
         per_token *= 8 / 6
     assert cost.train_flops == pytest.approx(tokens * per_token, rel=1e-9)
-    assert cost.train_s == pytest.approx(tokens * per_token / (run.parallel.trainer_devices * 989.4e12 * 0.35))
+    peak = run.parallel.trainer_devices * 989.4e12  # H100 SXM, dense bf16
+    assert cost.train_s == pytest.approx(tokens * per_token / (peak * Efficiency().mfu))
 
 
 def test_decode_is_memory_bound_at_small_batches_by_hand():
@@ -58,7 +60,7 @@ def test_decode_is_memory_bound_at_small_batches_by_hand():
     batch = math.ceil(r.groups_in_flight * r.generations_per_prompt / r.engine.num_engines)
     kv = 2 * run.model.num_layers * run.model.num_query_groups * 128 * 2  # K and V, bf16, head dim 128
     context = r.max_prompt_tokens / 2 + 500
-    iteration = (2 * p.total + batch * context * kv) / r.engine.tp / (GPUS["h100"][1] * 0.6)
+    iteration = (2 * p.total + batch * context * kv) / r.engine.tp / (GPUS["h100"][1] * Efficiency().decode_bandwidth)
     assert cost.decode_batch == batch
     assert cost.decode_tokens_per_s == pytest.approx(batch / iteration * r.engine.num_engines)
 
@@ -67,7 +69,7 @@ def test_the_two_modes_overlap_as_the_pipeline_runs():
     pipeline = step_cost(load_config("scalerl", "llama3_8b"))
     assert pipeline.step_s == pytest.approx(max(pipeline.generate_s, pipeline.train_s + pipeline.push_s))
     off = step_cost(load_config("scalerl", "llama3_8b", ["rollout.mode=ppo_off_policy", "rollout.k=8"]))
-    rounds = 8 * off.generate_s
+    rounds = off.round_s  # eight batches started together, the longest completions setting the round's length
     expected = (max(rounds + off.train_s, rounds / 8 + 8 * off.train_s) + off.push_s) / 8
     assert off.step_s == pytest.approx(expected)
     assert off.gpu_hours_per_step == pytest.approx(off.step_s * 80 / 3600)
@@ -75,6 +77,28 @@ def test_the_two_modes_overlap_as_the_pipeline_runs():
     assert slow_sync.push_s > pipeline.push_s and slow_sync.step_s >= pipeline.step_s
     with pytest.raises(ValueError, match="no figures for GPU 'v100'"):
         step_cost(load_config("scalerl", "llama3_8b"), gpu="v100")
+
+
+def test_a_synchronous_round_lasts_as_long_as_its_longest_completions_by_simulation():
+    from megatron_rl.scaling.cost import _Decode
+
+    run = load_config("scalerl", "llama3_8b")
+    peak, bandwidth = GPUS["h100"]
+    decode = _Decode(run.model, parameters(run.model), 1, peak, bandwidth, Efficiency())
+    rng = np.random.default_rng(0)
+    batch, prompt, mean, budget = 128, 200.0, 800.0, 4096
+    simulated = []
+    for _ in range(20):  # decode every iteration while any sequence runs, the batch thinning as they finish
+        lengths = np.minimum(rng.exponential(mean, batch), budget).astype(int)
+        steps = np.arange(lengths.max())
+        running = (lengths[None, :] > steps[:, None]).sum(1)
+        simulated.append(
+            sum(decode.iteration_s(b, prompt + t) for t, b in zip(steps[::8], running[::8], strict=True)) * 8
+        )
+    assert decode.round_s(batch, prompt, mean, budget) == pytest.approx(np.mean(simulated), rel=0.05)
+    # far longer than the steady throughput would say: the tail decodes at a small batch
+    steady = batch * mean * decode.iteration_s(batch, prompt + mean / 2) / batch
+    assert decode.round_s(batch, prompt, mean, budget) > 2 * steady
 
 
 def test_plan_sweeps_a_key_at_equal_compute(capsys):
