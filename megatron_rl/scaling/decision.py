@@ -54,7 +54,7 @@ class Difference:
     p_a_ahead: float
     """Share of the joint bootstrap draws in which a's curve is above b's."""
     extrapolated: bool
-    """The compute lies beyond both curves' last point."""
+    """The compute lies beyond the last evaluation of either run."""
 
     def as_dict(self) -> dict[str, object]:
         return {
@@ -113,6 +113,10 @@ def _c(compute: float) -> str:
     return f"{compute:,.0f}" if abs(compute) >= 100 else f"{compute:.3g}"
 
 
+def _level(result: Result, level: float | None) -> float:
+    return level if level is not None else (result.boot.level if result.boot is not None else 0.9)
+
+
 def _draws(result: Result, compute: Array) -> Array:
     if result.boot is None:
         raise FitError(f"{result.curve.label}: no bootstrap refits (--bootstrap 0); a decision needs them")
@@ -121,10 +125,11 @@ def _draws(result: Result, compute: Array) -> Array:
 
 def difference(a: Result, b: Result, compute: float, level: float | None = None) -> Difference:
     """R_a - R_b at `compute` with its joint-bootstrap interval and P(a ahead) (module docstring)."""
-    assert a.boot is not None and b.boot is not None
-    n = min(a.boot.samples.shape[0], b.boot.samples.shape[0])
-    level = a.boot.level if level is None else level
-    draws = _draws(a, np.array([compute]))[:n, 0] - _draws(b, np.array([compute]))[:n, 0]
+    at = np.array([compute])
+    draws_a, draws_b = _draws(a, at)[:, 0], _draws(b, at)[:, 0]
+    n = min(draws_a.size, draws_b.size)
+    draws = draws_a[:n] - draws_b[:n]
+    level = _level(a, level)
     lo, hi = np.quantile(draws, [(1 - level) / 2, (1 + level) / 2])
     R_a, R_b = float(a.fit.predict([compute])[0]), float(b.fit.predict([compute])[0])
     last = min(float(a.curve.compute.max()), float(b.curve.compute.max()))
@@ -158,16 +163,16 @@ def crossover(a: Result, b: Result, compute_range: tuple[float, float], level: f
     C1, C2 = compute_range
     if not 0 < C1 < C2:
         raise FitError(f"crossover range must be 0 < C1 < C2, got [{C1:g}, {C2:g}]")
-    assert a.boot is not None and b.boot is not None
-    level = a.boot.level if level is None else level
+    level = _level(a, level)
     logc = np.linspace(math.log(C1), math.log(C2), GRID_POINTS)
     c = np.exp(logc)
     fitted = (a.fit.predict(c) - b.fit.predict(c))[None, :]
     at, has = last_crossing(logc, fitted)
     a_leads = fitted[0, -1] > 0
     leader = a.curve.label if a_leads else b.curve.label
-    n = min(a.boot.samples.shape[0], b.boot.samples.shape[0])
-    draws = _draws(a, c)[:n] - _draws(b, c)[:n]
+    draws_a, draws_b = _draws(a, c), _draws(b, c)
+    n = min(draws_a.shape[0], draws_b.shape[0])
+    draws = draws_a[:n] - draws_b[:n]
     if not a_leads:
         draws = -draws  # positive: the fitted leader ahead
     d_at, d_has = last_crossing(logc, draws)
