@@ -114,7 +114,9 @@ class TrainerDied(RuntimeError):
 
 
 class TrainerGroup:
-    def __init__(self, run: RunConfig, run_dict: dict[str, Any]) -> None:
+    def __init__(self, run: RunConfig, run_dict: dict[str, Any], wait: bool = True) -> None:
+        """Place and start the ranks; with `wait=False` their set-up (megatron's import, the process group, the
+        model) goes on in the background until `ready()`, so the engines can start meanwhile."""
         import ray
 
         self.placement = trainer_placement(run)
@@ -122,9 +124,15 @@ class TrainerGroup:
         # Rank 0 hosts the process group's TCP store: its node's address and a port free there, not the driver's.
         addr, port = ray.get(self.workers[0].rendezvous.remote())
         world = len(self.workers)
-        ray.get([w.setup.remote(run_dict, rank, world, addr, port) for rank, w in enumerate(self.workers)])
+        self._setting_up = [w.setup.remote(run_dict, rank, world, addr, port) for rank, w in enumerate(self.workers)]
         if self.placement.groups:
             print(f"placement: trainer ranks {describe(self.locations)}; rendezvous {addr}:{port}", flush=True)
+        if wait:
+            ray.get(self._setting_up)
+
+    async def ready(self) -> None:
+        """Every rank set up (its model built): raises what a rank's set-up raised."""
+        await asyncio.gather(*self._setting_up)
 
     async def rendezvous(self) -> tuple[str, int]:
         """Rank 0's node address and a port free there (rank 0 hosts the weight-sync group's store too)."""

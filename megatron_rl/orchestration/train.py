@@ -346,9 +346,11 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
             ray.init(address="local", include_dashboard=False, num_cpus=slots)
     check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0))
     stop.install()  # over Ray's handler
-    trainers = TrainerGroup(run, dataclasses.asdict(run))
+    # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
+    # models while the engines start, the two longest parts of start-up, side by side.
+    trainers = TrainerGroup(run, dataclasses.asdict(run), wait=False)
     engines = EngineGroup(run, policy, run_dir)
-    await engines.start()
+    await asyncio.gather(engines.start(), trainers.ready())
 
     no_positive = NoPositiveResampling(run.algo.no_positive_resampling)
     sampler = CurriculumSampler(splits.train, {d.key: d.weight for d in run.data.datasets}, run.seed, no_positive)

@@ -1,5 +1,5 @@
 """The CPU shims installed for SGLang (tools/sglang_cpu): the batched decode and prefill attention of the
-torch-native backend give the attention of SGLang's own per-sequence loops."""
+torch-native backend give the attention of SGLang's own per-sequence loops; the server's children are forked on CPU."""
 
 from __future__ import annotations
 
@@ -126,3 +126,26 @@ def test_flush_cache_on_cpu_does_not_walk_the_whole_heap() -> None:
     finally:
         gc.callbacks.remove(record)
     assert generations and max(generations) < 2, generations
+
+
+def test_server_children_are_forked_on_cpu() -> None:
+    """The server's scheduler and detokenizer processes are forked from its already imported modules on CPU
+    (SGLang sets "spawn" for CUDA's sake; each spawned child imported SGLang again and held its own copy)."""
+    import multiprocessing
+
+    import megatron_rl_sglang_cpu
+    from sglang.srt.entrypoints import engine
+
+    assert engine._set_envs_and_config.megatron_rl_original is not None  # the installed patch wraps SGLang's
+    before = multiprocessing.get_start_method(allow_none=True)
+    seen: list[str | None] = []
+
+    def sglangs(server_args: object) -> None:  # what SGLang's own function does to the start method
+        multiprocessing.set_start_method("spawn", force=True)
+        seen.append(multiprocessing.get_start_method())
+
+    try:
+        megatron_rl_sglang_cpu.fork_children(sglangs)(None)
+        assert seen == ["spawn"] and multiprocessing.get_start_method() == "fork"
+    finally:
+        multiprocessing.set_start_method(before, force=True)

@@ -96,6 +96,18 @@ What: that function is wrapped: with the weight on the input, each of the token'
 call of the original on the token scaled by that choice's weight, with weight 1 at the output, and the k
 results are summed; sum_j expert_j(w_j x) is exactly what the weight on the input means (transformers' Llama-4:
 the routed input is x * sigmoid(score)). Every other case goes to the original unchanged.
+
+7. The server's scheduler and detokenizer processes forked on CPU, not spawned.
+
+Why: `_set_envs_and_config` (entrypoints/engine.py) sets multiprocessing's start method to "spawn", which a
+CUDA parent needs (a forked child cannot use the parent's CUDA context). Each spawned child starts a fresh
+interpreter and imports SGLang again (8-10 s of CPU each on a 2-core machine, the largest share of a CPU run's
+start-up) and holds its own private copy of every imported module (~0.5 GB each of the run's memory).
+
+What: on CPU, right after that function, the start method is set to "fork": the children start from the
+server process's already imported modules, their pages shared copy-on-write. Nothing CUDA exists to inherit,
+and the server has started no thread of its own when it launches them (its HTTP server and tokenizer manager
+come after). Everything else `_set_envs_and_config` does is kept; with CUDA present the module is left alone.
 """
 
 from __future__ import annotations
@@ -458,12 +470,31 @@ def _patch_native_moe(module: types.ModuleType) -> None:
         module.moe_forward_native = weight_on_input(module.moe_forward_native)
 
 
+def fork_children(original):  # type: ignore[no-untyped-def]
+    """`_set_envs_and_config`, then the "fork" start method for the server's child processes (CPU only)."""
+
+    def run(server_args):  # type: ignore[no-untyped-def]
+        import multiprocessing
+
+        original(server_args)
+        multiprocessing.set_start_method("fork", force=True)
+
+    run.megatron_rl_original = original  # type: ignore[attr-defined]
+    return run
+
+
+def _patch_engine_entrypoint(module: types.ModuleType) -> None:
+    if not hasattr(module._set_envs_and_config, "megatron_rl_original"):
+        module._set_envs_and_config = fork_children(module._set_envs_and_config)
+
+
 PATCHES = {
     TORCH_NATIVE: _patch_torch_native,
     "sglang.srt.platforms.cpu": _patch_cpu_platform,
     "sglang.srt.mem_cache.pool_host.common": _patch_host_pools,
     "sglang.srt.models.llama4": _patch_llama4,
     "sglang.srt.layers.moe.fused_moe_native": _patch_native_moe,
+    "sglang.srt.entrypoints.engine": _patch_engine_entrypoint,
 }
 """Module -> the patch applied right after SGLang's module is executed (CPU only)."""
 
