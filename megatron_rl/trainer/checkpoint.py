@@ -175,9 +175,25 @@ def _sharded_state(trainer: Trainer, is_loading: bool, model_only: bool = False)
     return {"model": model_state, "optimizer": optimizer_state}
 
 
+def _in_process_write_results() -> None:
+    """Megatron's writer hands its write results over a queue that, by default, is a `multiprocessing` Manager
+    queue served by a process it spawns at the first save (a fresh interpreter that imports the Ray worker's
+    main: ~0.3 GB of host memory per trainer rank, for the rest of the run). That queue exists for async saves,
+    whose writes run in another process; `save_checkpoint` saves synchronously, so the writes and the read of
+    their results both happen in this process and a plain in-process queue carries them."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], keep_last: int = 2) -> Path:
     """Save model, optimizer and `run_state` as `root/step_<step>`; all trainer ranks call it."""
     from megatron.core import dist_checkpointing
+
+    _in_process_write_results()
 
     root = Path(root)
     name = f"step_{trainer.step:08d}"

@@ -265,6 +265,10 @@ def main(spec: dict) -> None:
         result["optimizer"] = type(trainer.optimizer.optimizer).__name__
     if spec.get("save") and not spec.get("save_after"):
         save_checkpoint(trainer, spec["save"], {"note": "test"})
+    if spec.get("save"):  # a synchronous save leaves no helper process behind (megatron's Manager queue)
+        import multiprocessing
+
+        result["save_children"] = [p.name for p in multiprocessing.active_children()]
     if spec.get("grads"):  # this rank's gradients of step `grads_step` (megatron's fp32 main_grad buffers; default:
         # the last step), recorded above
         result["tp_dims"] = {  # the dimension a TP-split parameter is split along
