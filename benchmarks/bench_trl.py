@@ -1,21 +1,32 @@
-"""TRL's GRPOTrainer on the default run's task, policy and validation: the peer the default run is timed against.
+"""TRL's GRPOTrainer on the default run's task, policy and validation: the peer the default run is timed against,
+at TRL's fastest settings on this machine.
 
     pip install trl==1.16.0 accelerate        # not a dependency of megatron_rl: the peer, for this benchmark only
-    OMP_NUM_THREADS=1 python benchmarks/bench_trl.py [--steps 80] [--lr L] [--target 0.55] [overrides ...]
+    python benchmarks/bench_trl.py [--steps 200] [--threads 2] [--gradient-checkpointing] [--json F] [overrides ...]
 
 One process: TRL 1.16's `GRPOTrainer` with Hugging Face `generate` (no vLLM) on the CPU, started from the
 warm-started policy that `megatron-rl train --recipe scalerl-cpu [overrides]` starts from (built or taken from
 the same cache), on the same training prompts and reward function (`megatron_rl.rewards.score`), with the
-recipe's batch (prompts_per_step x generations_per_prompt completions per step, temperature 1), its length
-limit (max_thinking_tokens + answer_tokens new tokens; TRL has no interruption), learning rate, warm-up and
-gradient clip. Everything else is TRL's default: AdamW (0.9, 0.999, eps 1e-8), group-std advantages, its
-`dapo` token-level loss, no KL term, one on-policy step per generation batch.
+recipe's batch (prompts_per_step x generations_per_prompt completions per step, temperature 1), learning rate,
+warm-up and gradient clip, and as much of the recipe's loss as TRL has: `loss_type="cispo"` with the recipe's
+truncation (`epsilon_high` = algo.eps_max), advantages normalised over the batch (`scale_rewards="batch"`), no KL
+term, one on-policy step per generation batch.
+
+Speed settings, chosen by measurement on the 2-core CPU machine of benchmarks/README.md (20-step runs with the
+step-0 validation, same seed, 2026-11-26): 2 threads (`torch.set_num_threads`: 55.2 steps/min, 1 thread 37.6),
+gradient checkpointing off (TRL's default is on: it recomputes every layer's forward in the backward, 51.8
+steps/min, for memory this model does not need), the whole batch generated at once (`generation_batch_size` =
+the batch), validation in one `generate` call of all 1,024 sequences (10-step runs validating every 5 steps:
+37.4 steps/min, 36.4 at 512 per call, 34.9 at 128), fp32 as the recipe (TRL's default is bf16). What TRL cannot match, listed in the README's table:
+no interruption (its limit is the thinking + answer budget as one `max_completion_length`), the loss aggregated
+over the batch's tokens (`cispo` in TRL) where the recipe averages per prompt, on-policy training where the
+recipe runs PipelineRL-2, AdamW's (0.9, 0.999, 1e-8) where the recipe has its own betas.
 
 Validation uses the run's own held-out prompts (`data.val_prompts`) and `eval.samples_per_prompt` samples at
-temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights; its
-time counts, as it does in the stack. Wall times are measured from the first training step's start (model
-load and TRL's set-up excluded, as `bench_loop.py` excludes the stack's start-up). Prints one line per
-validation, the steps per minute, and the time to `--target`.
+temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights
+(`--val-batch` sequences per call); its time counts, as it does in the stack. Wall times are measured from the first training
+step's start; start-up (process start to that moment: imports, model load, TRL's set-up) is printed apart.
+Prints one line per validation, the steps per minute, start-up, and the time to `--target`.
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ from megatron_rl.rewards import score
 from megatron_rl.rollout.pipeline import PromptEncoder
 
 RECIPE = "scalerl-cpu"
+PROCESS_START = time.time()
 
 
 def main() -> None:
@@ -42,6 +54,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, help="learning rate (default: the recipe's)")
     parser.add_argument("--target", type=float, help="validation pass rate to time (default: start + 0.1)")
     parser.add_argument("--json", type=Path, help="write the curve and timings here")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2: fastest here)")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off by default here")
+    parser.add_argument("--val-batch", type=int, default=1024, help="sequences per validation generate call")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, as for megatron-rl train")
     args = parser.parse_args()
 
@@ -49,7 +64,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     run = load_config(RECIPE, None, args.overrides)
     splits = load_splits(run.data)
     policy = prepare_policy(run, splits)
@@ -80,8 +95,9 @@ def main() -> None:
         was_training = model.training
         model.eval()
         passed, n = 0, run.eval.samples_per_prompt
-        for start in range(0, len(val_prompts), 64):
-            chunk: list[Prompt] = val_prompts[start : start + 64]
+        per_call = max(1, args.val_batch // n)
+        for start in range(0, len(val_prompts), per_call):
+            chunk: list[Prompt] = val_prompts[start : start + per_call]
             enc = [encoder.encode(p) for p in chunk for _ in range(n)]
             width = max(map(len, enc))
             ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(e)) + e for e in enc])
@@ -112,6 +128,7 @@ def main() -> None:
         def on_step_begin(self, _args, state, control, **kwargs):  # type: ignore[no-untyped-def]
             if "start" not in clock:
                 clock["start"] = time.perf_counter()
+                clock["startup_s"] = time.time() - PROCESS_START
                 self._validate(0)
 
         def on_step_end(self, _args, state, control, **kwargs):  # type: ignore[no-untyped-def]
@@ -131,6 +148,12 @@ def main() -> None:
         warmup_steps=run.trainer.optimizer.warmup_steps,
         max_grad_norm=run.trainer.optimizer.grad_clip,
         weight_decay=0.0,
+        loss_type="cispo",
+        epsilon_high=run.algo.eps_max,
+        scale_rewards="batch",
+        beta=0.0,
+        gradient_checkpointing=args.gradient_checkpointing,
+        generation_batch_size=P * G,
         per_device_train_batch_size=P * G,
         gradient_accumulation_steps=1,
         num_generations=G,
@@ -161,7 +184,11 @@ def main() -> None:
     start_rate = curve[0]["pass_rate"]
     target = args.target if args.target is not None else round(start_rate + 0.1, 3)
     reached = next((p for p in curve if p["pass_rate"] >= target), None)
-    print(f"\nTRL GRPOTrainer, {steps} steps at lr {lr:g}: {steps / loop_s * 60:.1f} steps/min, loop {loop_s:.0f} s")
+    print(
+        f"\nTRL GRPOTrainer, {steps} steps at lr {lr:g}, {args.threads} threads, gradient checkpointing "
+        f"{'on' if args.gradient_checkpointing else 'off'}: {steps / loop_s * 60:.1f} steps/min, loop {loop_s:.0f} s, "
+        f"start-up {clock['startup_s']:.1f} s"
+    )
     print("| step | " + " | ".join(str(int(p["step"])) for p in curve) + " |")
     print("|---|" + "---:|" * len(curve))
     print("| val | " + " | ".join(f"{p['pass_rate']:.3f}" for p in curve) + " |")
@@ -169,7 +196,13 @@ def main() -> None:
     when = f"{reached['wall_s']:.0f} s (step {int(reached['step'])})" if reached else "not reached"
     print(f"time to val >= {target:.3f}: {when}")
     if args.json:
-        args.json.write_text(json.dumps({"steps": steps, "lr": lr, "loop_s": loop_s, "target": target, "curve": curve}))
+        settings = {
+            "threads": args.threads,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "val_batch": args.val_batch,
+        }
+        record = {"steps": steps, "lr": lr, "loop_s": loop_s, "startup_s": clock["startup_s"], "target": target}
+        args.json.write_text(json.dumps({**record, "settings": settings, "curve": curve}))
 
 
 if __name__ == "__main__":

@@ -55,8 +55,6 @@ from megatron_rl.rollout.evaluation import (
 )
 from megatron_rl.rollout.interruption import InterruptionTokens
 from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline
-from megatron_rl.scaling import live_prediction
-from megatron_rl.scaling.cli import main as fit_main
 from megatron_rl.trainer.checkpoint import latest_checkpoint, record_starting_model
 
 
@@ -449,6 +447,8 @@ def _live_fit(
     rows: list[dict[str, Any]], latest: dict[str, float], device_hours: float, fit_start: float, metric: str
 ) -> dict[str, float]:
     """Predicted asymptote A (with its interval) from the validation points so far (scaling toolkit)."""
+    from megatron_rl.scaling import live_prediction  # SciPy: imported at the first fit, not at start-up
+
     points = [r for r in rows if r.get(metric) is not None]
     points.append({"step": -1, "device_hours": device_hours, **latest})
     return live_prediction(points, fit_start=fit_start, metric=metric)
@@ -457,6 +457,8 @@ def _live_fit(
 def _final_fit(metrics_path: Path, run_dir: Path, tasks: set[str], fit_start: float, downstream: list[str]) -> None:
     """Print the fitted compute-performance curve of this run and write its plot; with downstream benchmarks,
     also their curves beside the validation curve (the paper's validation vs AIME figure)."""
+    from megatron_rl.scaling.cli import main as fit_main
+
     common = [str(metrics_path), "--fit-start", str(fit_start)]
     fit_main([*common, "--plot", str(run_dir / "scaling_curve.png")])
     if len(tasks) > 1:  # multi-task: one curve per task as well (docs/recipe.md §7: math and code fitted apart)

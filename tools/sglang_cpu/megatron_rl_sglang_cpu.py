@@ -107,7 +107,9 @@ start-up) and holds its own private copy of every imported module (~0.5 GB each 
 What: on CPU, right after that function, the start method is set to "fork": the children start from the
 server process's already imported modules, their pages shared copy-on-write. Nothing CUDA exists to inherit,
 and the server has started no thread of its own when it launches them (its HTTP server and tokenizer manager
-come after). Everything else `_set_envs_and_config` does is kept; with CUDA present the module is left alone.
+come after). The objects that exist at that moment (the imported modules') are moved to the collector's permanent
+generation (`gc.freeze`), so a collection in a child does not write to, and so copy, the pages it shares with the
+server. Everything else `_set_envs_and_config` does is kept; with CUDA present the module is left alone.
 """
 
 from __future__ import annotations
@@ -474,10 +476,12 @@ def fork_children(original):  # type: ignore[no-untyped-def]
     """`_set_envs_and_config`, then the "fork" start method for the server's child processes (CPU only)."""
 
     def run(server_args):  # type: ignore[no-untyped-def]
+        import gc
         import multiprocessing
 
         original(server_args)
         multiprocessing.set_start_method("fork", force=True)
+        gc.freeze()  # the imported modules' objects: no collection in a child touches (and so copies) their pages
 
     run.megatron_rl_original = original  # type: ignore[attr-defined]
     return run
