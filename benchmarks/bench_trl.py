@@ -15,17 +15,18 @@ term, one on-policy step per generation batch.
 Speed settings, chosen by measurement on the 2-core CPU machine of benchmarks/README.md (20-step runs with the
 step-0 validation, same seed, 2026-11-26): 2 threads (`torch.set_num_threads`: 55.2 steps/min, 1 thread 37.6),
 gradient checkpointing off (TRL's default is on: it recomputes every layer's forward in the backward, 51.8
-steps/min, for memory this model does not need), the whole batch generated at once (`generation_batch_size` =
-the batch), validation in one `generate` call of all 1,024 sequences (10-step runs validating every 5 steps:
-37.4 steps/min, 36.4 at 512 per call, 34.9 at 128), fp32 as the recipe (TRL's default is bf16). What TRL cannot match, listed in the README's table:
-no interruption (its limit is the thinking + answer budget as one `max_completion_length`), the loss aggregated
-over the batch's tokens (`cispo` in TRL) where the recipe averages per prompt, on-policy training where the
-recipe runs PipelineRL-2, AdamW's (0.9, 0.999, 1e-8) where the recipe has its own betas.
+steps/min, for memory this model does not need), the whole batch generated at once (`generation_batch_size` = the
+batch), validation in one `generate` call of all 1,024 sequences (10-step runs validating every 5 steps: 37.4
+steps/min, 36.4 at 512 per call, 34.9 at 128), fp32 as the recipe (TRL's default is bf16). What TRL cannot match,
+listed in the README's table: no interruption (its limit is the thinking + answer budget as one
+`max_completion_length`), the loss aggregated over the batch's tokens (`cispo` in TRL) where the recipe averages per
+prompt, on-policy training where the recipe runs PipelineRL-2, AdamW's (0.9, 0.999, 1e-8) where the recipe has its
+own betas.
 
 Validation uses the run's own held-out prompts (`data.val_prompts`) and `eval.samples_per_prompt` samples at
-temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights
-(`--val-batch` sequences per call); its time counts, as it does in the stack. Wall times are measured from the first training
-step's start; start-up (process start to that moment: imports, model load, TRL's set-up) is printed apart.
+temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights (`--val-
+batch` sequences per call); its time counts, as it does in the stack. Wall times are measured from the first
+training step's start; start-up (process start to that moment: imports, model load, TRL's set-up) is printed apart.
 Prints one line per validation, the steps per minute, start-up, and the time to `--target`.
 """
 
