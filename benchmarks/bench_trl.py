@@ -24,8 +24,8 @@ prompt, on-policy training where the recipe runs PipelineRL-2, AdamW's (0.9, 0.9
 own betas.
 
 Validation uses the run's own held-out prompts (`data.val_prompts`) and `eval.samples_per_prompt` samples at
-temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights (`--val-
-batch` sequences per call); its time counts, as it does in the stack. Wall times are measured from the first
+temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights
+(`--val-batch` sequences per call); its time counts, as it does in the stack. Wall times are measured from the first
 training step's start; start-up (process start to that moment: imports, model load, TRL's set-up) is printed apart.
 Prints one line per validation, the steps per minute, start-up, and the time to `--target`.
 """
