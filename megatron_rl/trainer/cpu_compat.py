@@ -29,6 +29,15 @@ What is patched, and why (docs/cpu.md §3):
    On CPU the trainer's own parameters stand for the device's, the host copy is an unpinned clone, and loaded
    state stays on the CPU; the same rule (the first `offload_fraction` of the elements, in parameter order)
    and the same maps, so the offloaded update, the copy back and the state handling run megatron's code.
+6. `megatron.core.models.common.embeddings.rope_utils._apply_rotary_pos_emb_thd` (RoPE on packed THD rows):
+   the CPU stand-in for Transformer Engine's fused THD RoPE, which GPU runs use (`apply_rope_fusion`).
+   megatron's unfused fallback splits the row into its sequences and rotates each in a Python loop (one
+   slice, rotation and copy per sequence, per layer, for q and for k, and again in the backward): ~15% of a
+   CPU trainer step. Here each local token's position in its own sequence (under CP, in the rank's two
+   chunks) is computed once from `cu_seqlens`, the frequencies are gathered for all tokens at once and the
+   row is rotated in one call of megatron's own `_apply_rotary_pos_emb_bshd`: the same positions and the same
+   elementwise arithmetic as the loop, so the same values bit for bit (tests/integration/test_trainer.py).
+   Frequencies given per packed token (`freqs` as long as the whole row) go to megatron's function unchanged.
 
 `PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
 test `test_cpu_compat_symbols_exist` in tests/integration/test_trainer.py) fails with the missing names if a
@@ -56,6 +65,7 @@ PATCHED_SYMBOLS: dict[str, tuple[str, ...]] = {
     "megatron.core.dist_checkpointing.strategies.torch": ("TorchDistSaveShardedStrategy",),
     "megatron.core.distributed.finalize_model_grads": ("finalize_model_grads",),
     "megatron.core.optimizer.cpu_offloading.hybrid_optimizer": ("HybridDeviceOptimizer",),
+    "megatron.core.models.common.embeddings.rope_utils": ("_apply_rotary_pos_emb_thd", "_apply_rotary_pos_emb_bshd"),
 }
 
 PRELOADED_PACKAGES = ("megatron.core.dist_checkpointing",)
@@ -274,6 +284,55 @@ def _cpu_move_new_state(self: Any) -> None:
                     self.state[original][key] = state[key] = value.to(_CPU)
 
 
+def thd_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """Each local token's position in its own sequence, as megatron's THD RoPE assigns them: with CP, a rank
+    holds chunks `cp_rank` and `2 cp - 1 - cp_rank` of every sequence (trainer/context_parallel.py)."""
+    local = (cu_seqlens[1:] - cu_seqlens[:-1]).long() // cp_size
+    starts = torch.cumsum(local, 0) - local
+    index = torch.arange(int(local.sum()), device=cu_seqlens.device)
+    offset = index - torch.repeat_interleave(starts, local)  # position within the rank's part of the sequence
+    if cp_size == 1:
+        return offset
+    chunk = torch.repeat_interleave(local // 2, local)
+    full = torch.repeat_interleave(local * cp_size, local)
+    front = cp_rank * chunk + offset
+    back = full - (cp_rank + 1) * chunk + (offset - chunk)
+    return torch.where(offset < chunk, front, back)
+
+
+def _rope_thd(original: Any) -> Any:
+    from megatron.core.models.common.embeddings import rope_utils
+
+    def rope_thd(
+        t: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        freqs: torch.Tensor,
+        rotary_interleaved: bool = False,
+        mla_rotary_interleaved: bool = False,
+        mscale: float = 1.0,
+        cp_group: Any = None,
+        multi_latent_attention: bool | None = None,
+    ) -> torch.Tensor:
+        per_token = freqs.dim() >= 1 and freqs.size(0) == int(cu_seqlens[-1])
+        if cp_group is None or multi_latent_attention is not None or per_token:
+            return original(
+                t, cu_seqlens, freqs, rotary_interleaved, mla_rotary_interleaved, mscale, cp_group,
+                multi_latent_attention,
+            )  # fmt: skip
+        positions = thd_positions(cu_seqlens, cp_group.size(), cp_group.rank())
+        rotated = rope_utils._apply_rotary_pos_emb_bshd(
+            t.unsqueeze(1),
+            freqs[positions],
+            rotary_interleaved=rotary_interleaved,
+            mla_rotary_interleaved=mla_rotary_interleaved,
+            mscale=mscale,
+        )
+        return rotated.squeeze(1)
+
+    rope_thd.megatron_rl_original = original  # type: ignore[attr-defined]
+    return rope_thd
+
+
 def check_symbols() -> None:
     """Fail clearly when a megatron-core upgrade removed or renamed something this layer patches."""
     missing = []
@@ -327,6 +386,9 @@ def apply() -> bool:
         hybrid = hybrid_optimizer.HybridDeviceOptimizer
         hybrid._get_sub_optimizer_param_groups = _cpu_sub_optimizer_param_groups  # type: ignore[method-assign]
         hybrid._move_new_state_to_right_device = _cpu_move_new_state  # type: ignore[method-assign]
+        from megatron.core.models.common.embeddings import rope_utils
+
+        rope_utils._apply_rotary_pos_emb_thd = _rope_thd(rope_utils._apply_rotary_pos_emb_thd)
         _applied = True
     _patch_loaded_modules()
     return True

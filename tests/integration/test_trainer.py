@@ -152,6 +152,51 @@ def test_cpu_compat_symbols_exist():
     cpu_compat.check_symbols()  # raises naming what an upgrade removed
 
 
+class _Group:
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.parametrize(
+    "lengths, cp, interleaved",
+    [([7, 1, 30, 12], 1, False), ([5, 64, 2], 1, True), ([8, 4, 20], 2, False), ([12, 24, 36], 3, False)],
+)
+def test_cpu_thd_rope_equals_megatrons_per_sequence_loop(lengths, cp, interleaved):
+    """The CPU THD RoPE (cpu_compat patch 6) gives megatron's per-sequence loop bit for bit, values and
+    gradients, on every CP rank's share of packed sequences of odd lengths."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_rl.trainer import cpu_compat
+
+    cpu_compat.apply()
+    patched = rope_utils._apply_rotary_pos_emb_thd
+    original = patched.megatron_rl_original
+    g = torch.Generator().manual_seed(sum(lengths) + cp)
+    cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    dim = 16
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    angles = torch.outer(torch.arange(max(lengths), dtype=torch.float32), inv)
+    freqs = torch.cat([angles, angles], dim=-1)[:, None, None, :]
+    for rank in range(cp):
+        t = torch.randn(sum(lengths) // cp, 4, dim + 4, generator=g)  # 4 channels past the rotary dimension
+        grad = torch.randn(t.shape, generator=g)
+        outs = []
+        for fn in (original, patched):
+            x = t.clone().requires_grad_(True)
+            out = fn(x, cu_seqlens, freqs, rotary_interleaved=interleaved, cp_group=_Group(cp, rank))
+            out.backward(grad)
+            outs.append((out.detach(), x.grad))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # positions, as TE's THD split assigns them: rank 1 of 2 holds chunks 1 and 2 of each 2 x 2-chunk sequence
+    assert cpu_compat.thd_positions(torch.tensor([0, 8, 12]), 2, 1).tolist() == [2, 3, 4, 5, 1, 2]
+
+
 # ------------------------------------------------------------------------------------------------
 # Multi-process runs
 
