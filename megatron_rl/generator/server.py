@@ -108,6 +108,9 @@ class SGLangServer:
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(self.model_path)]
         cmd += ["--host", self.host, "--port", str(self.port), "--tp-size", str(self.cfg.tp)]
         cmd += ["--dtype", self.cfg.dtype, "--weight-version", "0", "--mem-fraction-static", str(self.cfg.mem_fraction)]
+        # Token ids in, token ids and log-probs out (generator/client.py): the server never needs text, so its
+        # detokenizer does no work (it decoded every generated token into text the run never read).
+        cmd += ["--skip-tokenizer-init"]
         if self.max_total_tokens:
             cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         if self.context_length:
