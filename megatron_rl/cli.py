@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import shlex
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import ConfigError, list_model_configs, list_recipes, load_config, load_recipe_dict
@@ -268,10 +268,10 @@ DELEGATED: dict[str, tuple[str, str]] = {
 
 
 def _available(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except ModuleNotFoundError:  # the parent package is not there either
-        return False
+    """Whether `module` (a megatron_rl submodule) is installed, looked up as a file: `find_spec` would import its
+    parent packages, whose `__init__` imports torch and SciPy (~2 s on every command, `train` included)."""
+    path = Path(__file__).parent.joinpath(*module.split(".")[1:])
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
 def build_parser() -> argparse.ArgumentParser:

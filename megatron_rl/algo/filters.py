@@ -11,14 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def zero_variance_keep(rewards_PG: Tensor) -> Tensor:
     """Bool per prompt: True where the group's rewards are not all equal."""
+    import torch  # here: the sampler imports this module in the driver before torch is needed
+
     if rewards_PG.ndim != 2:
         raise ValueError(f"rewards must be [prompts, generations], got shape {tuple(rewards_PG.shape)}")
     if rewards_PG.shape[1] == 0:

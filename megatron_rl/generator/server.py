@@ -120,6 +120,9 @@ class SGLangServer:
             # (a tiny model needs none; it costs seconds of start-up on 2 cores).
             cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph"]
             cmd += ["--skip-server-warmup"]
+            # An idle scheduler waits on its sockets instead of polling them: polling took a whole core while
+            # the engine waited for the trainer (its start-up, every weight push), a core the trainer needed.
+            cmd += ["--sleep-on-idle"]
         if self.cfg.fp32_lm_head:
             cmd += ["--enable-fp32-lm-head"]  # logits (hence sampling and log-probs) in fp32, docs/recipe.md §3
         return cmd + list(self.cfg.extra_args)

@@ -28,12 +28,10 @@ import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
-from transformers import AutoTokenizer
 
-from megatron_rl.algo.filters import NoPositiveResampling
 from megatron_rl.config import ConfigError, RunConfig, save_config
 from megatron_rl.data.benchmarks import BenchmarkSet, load_benchmark
 from megatron_rl.data.datasets import Splits, load_splits
@@ -43,7 +41,6 @@ from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
 from megatron_rl.orchestration.engines import EngineGroup
 from megatron_rl.orchestration.placement import check_cpu_slots, local_ray_cpus
 from megatron_rl.orchestration.reaper import Reaper
-from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rewards.workers import RewardWorkers
 from megatron_rl.rollout.evaluation import (
     BenchmarkResult,
@@ -54,8 +51,10 @@ from megatron_rl.rollout.evaluation import (
     with_sampling,
 )
 from megatron_rl.rollout.interruption import InterruptionTokens
-from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline
 from megatron_rl.trainer.checkpoint import latest_checkpoint, record_starting_model
+
+if TYPE_CHECKING:  # torch: imported while Ray starts (prepare_inputs), not at the CLI's start
+    from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline
 
 
 class RunStopped(RuntimeError):
@@ -310,6 +309,71 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     run directory, so a refused start leaves a run's config, metrics and checkpoints as they were."""
     run_dir = Path(run.output_dir) / run.name
     _check_writable(run_dir)
+    # The checkpoint to resume from, verified against its manifest before anything starts.
+    checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
+    # Ray's local head takes seconds to start (its processes' imports): it starts while a worker thread reads
+    # the data, finds the starting policy and loads its tokenizer. A start those checks refuse shuts Ray down.
+    prepared = asyncio.create_task(asyncio.to_thread(prepare_inputs, run))
+    try:
+        start_ray(run)
+    except BaseException:
+        await asyncio.gather(prepared, return_exceptions=True)
+        raise
+    splits, downstream, policy, encoder, tokens = await prepared
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(run, run_dir / "config.yaml")
+    record_starting_model(run_dir, policy)
+    check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0))
+    stop.install()  # over Ray's handler
+    # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
+    # models while the engines start, the two longest parts of start-up, side by side.
+    trainers = TrainerGroup(run, dataclasses.asdict(run), wait=False)
+    engines = EngineGroup(run, policy, run_dir)
+    rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)  # their imports run meanwhile too
+    try:
+        await asyncio.gather(engines.start(), trainers.ready())
+
+        from megatron_rl.algo.filters import NoPositiveResampling
+        from megatron_rl.rollout.pipeline import RolloutPipeline
+
+        no_positive = NoPositiveResampling(run.algo.no_positive_resampling)
+        sampler = CurriculumSampler(splits.train, {d.key: d.weight for d in run.data.datasets}, run.seed, no_positive)
+        start_hours, regenerated = 0.0, 0
+        if checkpoint is not None:
+            state = await trainers.call("load", str(checkpoint))
+            sampler.load_state_dict(state["sampler"])
+            start_hours, regenerated = state["device_hours"], state.get("in_flight_groups", 0)
+            print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+        else:
+            await trainers.call("load_hf", str(policy))
+        step = await trainers.call("version")
+        await engines.connect_weight_sync(trainers)
+        if checkpoint is not None:
+            await engines.push_weights(trainers, step)
+
+        seed = run.seed + step
+        pipeline = RolloutPipeline(
+            run.rollout, run.algo, sampler, rewards, engines.generate, encoder, tokens, seed=seed, version=step
+        )
+        devices = run.parallel.trainer_devices + (run.compute.generator_devices or engines.devices)
+        clock = ComputeClock(devices, start_hours)
+        header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
+        header.update(device_kind=run.compute.device_kind, devices=devices)
+        header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
+        logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run), resume_step=step)
+        return Parts(
+            run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
+            step, regenerated, downstream,
+        )  # fmt: skip
+    except BaseException:
+        rewards.close()
+        raise
+
+
+def prepare_inputs(run: RunConfig) -> tuple[Splits, dict[str, BenchmarkSet], Path, PromptEncoder, InterruptionTokens]:
+    """What the run reads before anything starts, each source checked: the data, the downstream benchmarks,
+    the sandbox (code tasks), the starting policy (warm-started on first use) and its tokenizer with the
+    budgets it implies."""
     splits = load_splits(run.data)
     _report_data(splits)
     downstream = load_downstream(run)
@@ -317,68 +381,37 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         from megatron_rl.rewards.sandbox import get_sandbox
 
         get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
+    from megatron_rl.orchestration.warmstart import prepare_policy
+
     policy = prepare_policy(run, splits)
     run.check_context(policy)  # the engines would refuse a context beyond the checkpoint's positions
     run.check_engine_attention()  # ... and serve chunked attention wrongly on CPU
+    from transformers import AutoTokenizer  # these import torch: while Ray starts, not at the CLI's start
+
+    from megatron_rl.rollout.pipeline import PromptEncoder
+
     tokenizer = AutoTokenizer.from_pretrained(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
     tokens = interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
     run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
-    # The checkpoint to resume from, verified against its manifest before anything starts.
-    checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(run, run_dir / "config.yaml")
-    record_starting_model(run_dir, policy)
+    return splits, downstream, policy, encoder, tokens
 
-    if not ray.is_initialized():
-        # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
-        # running on this machine (another run's, another user's) and fail on its auth token.
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(address="auto", include_dashboard=False)
-        else:
-            cores = os.cpu_count() or 1
-            slots = local_ray_cpus(run, cores)
-            if slots > cores:
-                print(f"ray: {slots} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
-            ray.init(address="local", include_dashboard=False, num_cpus=slots)
-    check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0))
-    stop.install()  # over Ray's handler
-    # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
-    # models while the engines start, the two longest parts of start-up, side by side.
-    trainers = TrainerGroup(run, dataclasses.asdict(run), wait=False)
-    engines = EngineGroup(run, policy, run_dir)
-    await asyncio.gather(engines.start(), trainers.ready())
 
-    no_positive = NoPositiveResampling(run.algo.no_positive_resampling)
-    sampler = CurriculumSampler(splits.train, {d.key: d.weight for d in run.data.datasets}, run.seed, no_positive)
-    start_hours, regenerated = 0.0, 0
-    if checkpoint is not None:
-        state = await trainers.call("load", str(checkpoint))
-        sampler.load_state_dict(state["sampler"])
-        start_hours, regenerated = state["device_hours"], state.get("in_flight_groups", 0)
-        print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+def start_ray(run: RunConfig) -> None:
+    """Join the allocation's Ray (RAY_ADDRESS, set by the Slurm script) or start a fresh local instance."""
+    if ray.is_initialized():
+        return
+    # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
+    # running on this machine (another run's, another user's) and fail on its auth token.
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address="auto", include_dashboard=False)
     else:
-        await trainers.call("load_hf", str(policy))
-    step = await trainers.call("version")
-    await engines.connect_weight_sync(trainers)
-    if checkpoint is not None:
-        await engines.push_weights(trainers, step)
-
-    rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
-    pipeline = RolloutPipeline(
-        run.rollout, run.algo, sampler, rewards, engines.generate, encoder, tokens, seed=run.seed + step, version=step
-    )
-    devices = run.parallel.trainer_devices + (run.compute.generator_devices or engines.devices)
-    clock = ComputeClock(devices, start_hours)
-    header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
-    header.update(device_kind=run.compute.device_kind, devices=devices)
-    header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
-    logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run), resume_step=step)
-    return Parts(
-        run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
-        step, regenerated, downstream,
-    )  # fmt: skip
+        cores = os.cpu_count() or 1
+        slots = local_ray_cpus(run, cores)
+        if slots > cores:
+            print(f"ray: {slots} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
+        ray.init(address="local", include_dashboard=False, num_cpus=slots)
 
 
 def load_downstream(run: RunConfig) -> dict[str, BenchmarkSet]:

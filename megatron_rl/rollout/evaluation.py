@@ -22,13 +22,15 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import RolloutConfig, SamplingConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.rewards.workers import RewardWorkers
 from megatron_rl.rollout.interruption import GenerateFn, InterruptionTokens, generate_completion
-from megatron_rl.rollout.pipeline import PromptEncoder
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.pipeline import PromptEncoder
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

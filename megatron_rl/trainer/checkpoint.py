@@ -25,17 +25,17 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.distributed as dist
-
-from megatron_rl.trainer.step import Trainer
+if TYPE_CHECKING:  # torch and megatron-core load with the trainer; the driver reads manifests without them
+    from megatron_rl.trainer.step import Trainer
 
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def _barrier() -> None:
+    import torch.distributed as dist
+
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
@@ -191,6 +191,8 @@ def _in_process_write_results() -> None:
 
 def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], keep_last: int = 2) -> Path:
     """Save model, optimizer and `run_state` as `root/step_<step>`; all trainer ranks call it."""
+    import torch
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     _in_process_write_results()
@@ -299,6 +301,8 @@ def load_checkpoint(trainer: Trainer, path: Path, model_only: bool = False) -> d
     resumes under a different data-parallel size but the same TP/PP/EP; to change those, load with
     `model_only=True` (weights and counters, fresh optimizer state).
     """
+    import torch
+    import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
     path = Path(path)

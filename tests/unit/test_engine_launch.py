@@ -154,3 +154,11 @@ log.warning("a different warning")
         "sglang.srt.models.mllama4: Some weights are not initialized from checkpoints {'layers.0.w'}",
         "sglang.srt.models.mllama4: a different warning",
     ]
+
+
+def test_a_cpu_engine_sleeps_when_idle(tmp_path):
+    """A CPU engine's scheduler waits on its sockets when idle: polling took a core the trainer needed."""
+    run = load_config("scalerl-cpu")
+    server = SGLangServer(tmp_path / "ckpt", run.rollout.engine, tmp_path / "engine.log", context_length=176)
+    args = _sglang_args(server.command())
+    assert args.sleep_on_idle and args.device == "cpu" and args.attention_backend == "torch_native"
