@@ -149,3 +149,32 @@ def test_server_children_are_forked_on_cpu() -> None:
         assert seen == ["spawn"] and multiprocessing.get_start_method() == "fork"
     finally:
         multiprocessing.set_start_method(before, force=True)
+
+
+def test_cpu_sampling_draws_each_token_with_its_probability() -> None:
+    """The installed sampler (inverse CDF on CPU) draws tokens at their probabilities: frequencies over 200,000
+    rows within 4.5 standard errors of each probability, zero-probability tokens never, a one-hot row always its
+    token; a seeded request keeps SGLang's own path."""
+    from sglang.srt.layers import sampler
+
+    sample = sampler.sampling_from_probs_torch
+    assert sample.megatron_rl_original is not None  # the installed patch wraps SGLang's
+    torch.manual_seed(0)
+    probs = torch.tensor([0.0, 0.05, 0.0, 0.5, 0.3, 0.15, 0.0, 0.0])
+    rows = 200_000
+    drawn = sample(probs.repeat(rows, 1))
+    assert drawn.dtype == torch.int32 and drawn.shape == (rows,)
+    frequency = torch.bincount(drawn.long(), minlength=probs.numel()).double() / rows
+    error = (probs.double() * (1 - probs.double()) / rows).sqrt()
+    assert torch.all((frequency - probs.double()).abs() <= 4.5 * error + 1e-12), frequency
+    assert frequency[probs == 0].sum() == 0
+    one_hot = torch.zeros(64, 512)
+    one_hot[torch.arange(64), torch.arange(64) * 7] = 1.0
+    assert torch.equal(sample(one_hot).long(), torch.arange(64) * 7)
+
+    import megatron_rl_sglang_cpu
+
+    calls: list[tuple] = []
+    recorded = megatron_rl_sglang_cpu.inverse_cdf_sampling(lambda *args: calls.append(args) or "sglang's")
+    seed, positions = torch.tensor([7]), torch.tensor([3])
+    assert recorded(probs[None], seed, positions) == "sglang's" and calls[0][1] is seed and calls[0][2] is positions
