@@ -22,10 +22,13 @@ and logs every step once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -313,11 +316,11 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
     # Ray's local head takes seconds to start (its processes' imports): it starts while a worker thread reads
     # the data, finds the starting policy and loads its tokenizer. A start those checks refuse shuts Ray down.
-    prepared = asyncio.create_task(asyncio.to_thread(prepare_inputs, run))
+    prepared = _in_daemon_thread(prepare_inputs, run)
     try:
         start_ray(run)
     except BaseException:
-        await asyncio.gather(prepared, return_exceptions=True)
+        prepared.cancel()
         raise
     splits, downstream, policy, encoder, tokens = await prepared
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -368,6 +371,32 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     except BaseException:
         rewards.close()
         raise
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
+    """`fn(*args)` in a daemon thread, as a future of this event loop. Not `asyncio.to_thread`: the loop's executor
+    is joined when the loop ends, so Ctrl-C during a first run's warm-up (a minute) would wait for it to finish."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Any] = loop.create_future()
+
+    def settle(outcome: Any, failed: bool) -> None:
+        if future.done():  # cancelled: the start failed or was interrupted meanwhile
+            return
+        if failed:
+            future.set_exception(outcome)
+        else:
+            future.set_result(outcome)
+
+    def work() -> None:
+        try:
+            outcome, failed = fn(*args), False
+        except BaseException as exc:
+            outcome, failed = exc, True
+        with contextlib.suppress(RuntimeError):  # the loop already closed: nobody waits for the outcome
+            loop.call_soon_threadsafe(settle, outcome, failed)
+
+    threading.Thread(target=work, name=getattr(fn, "__name__", "setup"), daemon=True).start()
+    return future
 
 
 def prepare_inputs(run: RunConfig) -> tuple[Splits, dict[str, BenchmarkSet], Path, PromptEncoder, InterruptionTokens]:
