@@ -9,7 +9,8 @@ drives both backends, chosen in `trainer/model.py`:
   why there is no mask path at all.
 - CPU (megatron-core's local spec): `PackedCoreAttention` below replaces megatron's `DotProductAttention`
   (which refuses packed sequences and keeps the whole [heads, L, L] score matrix). It runs torch's
-  `scaled_dot_product_attention(is_causal=True)` once per sequence: torch's CPU flash kernel, memory
+  `scaled_dot_product_attention(is_causal=True)` once per group of similar-length sequences, each padded at
+  its end to the group's longest (`segment_groups`): torch's CPU flash kernel, memory
   linear in the sequence length.
 
 Llama-4 adds two rules on top, as transformers' `Llama4TextAttention` and SGLang's `llama4.py` apply
@@ -34,7 +35,7 @@ Limits: no attention dropout (RL fine-tuning runs without it), no sliding window
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -58,6 +59,9 @@ class PackedRows(PackedSeqParams):
     """Position of each (of this rank's) token within its own sequence (temperature-tuned layers)."""
     cp: CpLayout | None = None
     """Context parallel: how the row is split over the CP group (None without CP)."""
+    segment_groups: list[SegmentGroup] | None = field(default=None, init=False, repr=False, compare=False)
+    """PackedCoreAttention's batches of these boundaries, made on first use (a copy with other boundaries from
+    `dataclasses.replace` starts without)."""
 
 
 def packed_rows(
@@ -201,21 +205,77 @@ class PackedCoreAttention(torch.nn.Module):
         if self.llama4 is not None:
             query_T = self.llama4.scale_query(query_T, rows)
             rows = self.llama4.packed_seq_params(rows)
-        repeat = query_T.shape[1] // key_T.shape[1]
-        if repeat > 1:  # GQA: torch's CPU flash kernel wants equal head counts
-            key_T = key_T.repeat_interleave(repeat, dim=1)
-            value_T = value_T.repeat_interleave(repeat, dim=1)
-        bounds = rows.cu_seqlens_q.tolist()
-        outputs = []
-        for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            if end == start:
-                continue
-            # [1, heads, len, dim]: torch's CPU flash kernel takes 4-D inputs only; with 3-D ones SDPA falls
-            # back to its math kernel, which keeps the [heads, len, len] scores (memory O(len^2) again).
-            q, k, v = (x[start:end].transpose(0, 1)[None] for x in (query_T, key_T, value_T))
-            outputs.append(F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.softmax_scale)[0])
-        out_T = torch.cat(outputs, dim=1).transpose(0, 1)  # [tokens, heads, dim]
-        return out_T.reshape(out_T.shape[0], -1)
+        if rows.segment_groups is None:
+            rows.segment_groups = segment_groups(rows.cu_seqlens_q.tolist(), query_T.device)
+        if len(rows.segment_groups) == 1 and rows.segment_groups[0].order is None:
+            return rows.segment_groups[0].attend(query_T, key_T, value_T, self.softmax_scale)
+        outputs = [group.attend(query_T, key_T, value_T, self.softmax_scale) for group in rows.segment_groups]
+        order = torch.cat([group.order for group in rows.segment_groups if group.order is not None])
+        out = torch.cat(outputs)
+        return torch.empty_like(out).index_copy_(0, order, out)
+
+
+@dataclass(frozen=True)
+class SegmentGroup:
+    """Segments of a row of similar lengths, attended to in one padded batch: [segments, heads, longest, dim].
+
+    Each segment is padded at its end, so causal attention is exact for its real tokens (a query attends to
+    earlier keys only, all of them real); the padding's outputs are dropped. One SDPA call and one gather /
+    scatter per group replace a call per segment, whose slices cost a zero-filled row-sized gradient each in
+    backward (O(segments x row) per layer)."""
+
+    gather: Tensor
+    """[segments * longest] token index of each padded slot (a padding slot repeats its segment's last token)."""
+    keep: Tensor
+    """Index of the real slots in the flattened padded batch, in token order."""
+    order: Tensor | None
+    """The row positions of `keep`'s tokens when the row has other groups (None: this group is the whole row)."""
+    segments: int
+    longest: int
+
+    def attend(self, query_T: Tensor, key_T: Tensor, value_T: Tensor, scale: float) -> Tensor:
+        """[tokens, heads, dim] (keys and values: [tokens, groups, dim]) -> [group tokens, heads * dim]."""
+        q, k, v = (
+            x.index_select(0, self.gather).view(self.segments, self.longest, *x.shape[1:]).transpose(1, 2)
+            for x in (query_T, key_T, value_T)
+        )
+        # [segments, heads, longest, dim], 4-D: torch's CPU flash kernel (memory linear in `longest`); the math
+        # kernel that 3-D inputs fall back to keeps the [heads, longest, longest] scores.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return out.transpose(1, 2).reshape(self.segments * self.longest, -1).index_select(0, self.keep)
+
+
+def segment_groups(bounds: list[int], device: torch.device | str) -> list[SegmentGroup]:
+    """A row's segments (`bounds` = cu_seqlens) in groups whose padding costs at most 2x each segment's length:
+    sorted by length, a group takes segments down to half its longest."""
+    spans = sorted(((b - a, a) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a), reverse=True)
+    batches: list[list[tuple[int, int]]] = []
+    for length, start in spans:
+        if batches and 2 * length >= batches[-1][0][0]:
+            batches[-1].append((length, start))
+        else:
+            batches.append([(length, start)])
+    groups = []
+    for batch in batches:
+        batch.sort(key=lambda span: span[1])  # row order within the group
+        lengths = torch.tensor([length for length, _ in batch])
+        starts = torch.tensor([start for _, start in batch])
+        longest = int(lengths.max())
+        slots = torch.arange(longest)
+        gather = starts[:, None] + torch.minimum(slots[None, :], lengths[:, None] - 1)
+        real = slots[None, :] < lengths[:, None]
+        order = gather[real] if len(batches) > 1 else None
+        keep = real.flatten().nonzero().squeeze(1)
+        groups.append(
+            SegmentGroup(
+                gather.flatten().to(device),
+                keep.to(device),
+                None if order is None else order.to(device),
+                len(batch),
+                longest,
+            )
+        )
+    return groups
 
 
 def cp_attention(
