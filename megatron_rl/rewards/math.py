@@ -16,6 +16,7 @@ parses matched.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from dataclasses import dataclass
@@ -76,8 +77,12 @@ def _timeout(cfg: RewardsConfig) -> int:
     return max(1, int(cfg.math_timeout_s))  # SIGALRM counts whole seconds
 
 
+@functools.lru_cache(maxsize=4096)
 def _parse(text: str, timeout: int) -> list[Any]:
-    """Math-Verify's parses of `text` ([] if none); raises its TimeoutException past `timeout` seconds."""
+    """Math-Verify's parses of `text` ([] if none); raises its TimeoutException past `timeout` seconds.
+
+    Remembered per text (a timeout is not): a group's samples share their reference, and often their final
+    answer, and the parse (LaTeX to SymPy) is most of a reward's CPU."""
     from math_verify import parse
 
     try:

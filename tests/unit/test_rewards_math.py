@@ -9,9 +9,24 @@ import pytest
 from megatron_rl.config import RewardsConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.rewards import REWARDS, score
+from megatron_rl.rewards import math as math_rewards
 from megatron_rl.rewards.math import math_reward
 
 CFG = RewardsConfig()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_parses():
+    """Parses are remembered per text: a test that makes Math-Verify hang must not get an earlier test's."""
+    math_rewards._parse.cache_clear()
+
+
+def test_a_repeated_text_is_parsed_once(monkeypatch):
+    calls = []
+    parse = math_verify.parse
+    monkeypatch.setattr(math_verify, "parse", lambda text, **kw: calls.append(text) or parse(text, **kw))
+    results = [math_reward("</think>So: \\boxed{82}", "82", CFG) for _ in range(8)]
+    assert all(r.passed for r in results) and sorted(calls) == ["So: \\boxed{82}", "\\boxed{82}"]  # answer, reference
 
 
 @pytest.mark.parametrize(
