@@ -4,6 +4,7 @@ The loop (docs/recipe.md §4, docs/run_flow.md) reads as the algorithm:
 
     every eval.every_steps:  validation mean@k on the held-out prompts (+ live scaling-curve fit)
     every eval.downstream.every_steps: mean@n and pass@k on the downstream benchmarks (AIME, MATH-500, ...)
+                                                 (on the engines while the trainer takes the step below)
     groups  <- pipeline.next_batch(version)      G completions per prompt, rewarded, filtered, <= k stale
     metrics <- trainers.train_step(groups)       one optimizer step on all trainer ranks; version += 1
     push weights when the pipeline says so       in flight (pipeline) or after k steps (ppo_off_policy)
@@ -250,16 +251,25 @@ async def _loop(p: Parts) -> int:
     while step < run.total_steps and not p.stop:
         started = time.perf_counter()
         row: dict[str, Any] = {}
-        if validated != step:
-            row.update(await _evaluations(p, step, final=False))
+        evaluations = None
+        if validated != step:  # the policy of `step`, evaluated while the trainer takes its step
+            evaluations = asyncio.ensure_future(_evaluations(p, step, final=False))
             validated = step
-        groups, stats = await p.pipeline.next_batch(step)
-        row.update(stats.as_metrics())
-        if groups:
-            row.update(await p.trainers.call("train_step", groups))
-            empty_streak = 0
-        else:  # every group was zero-variance: no optimizer step this round (logged, counted)
-            empty_batches, empty_streak = empty_batches + 1, empty_streak + 1
+        try:
+            groups, stats = await p.pipeline.next_batch(step)
+            row.update(stats.as_metrics())
+            if groups:
+                row.update(await p.trainers.call("train_step", groups))
+                empty_streak = 0
+            else:  # every group was zero-variance: no optimizer step this round (logged, counted)
+                empty_batches, empty_streak = empty_batches + 1, empty_streak + 1
+            if evaluations is not None:  # finished before the engines get the new weights
+                row.update(await evaluations)
+        except BaseException:
+            if evaluations is not None and not evaluations.done():
+                evaluations.cancel()
+                await asyncio.gather(evaluations, return_exceptions=True)
+            raise
         row["train/empty_batches"] = float(empty_batches)
         if run.algo.max_empty_batches and empty_streak >= run.algo.max_empty_batches:
             p.log(step, row)

@@ -120,6 +120,8 @@ class Sampled:
     passed: dict[str, list[bool]]
     finishes: list[str]
     skipped_long: int
+    versions: set[int]
+    """The policy versions that generated the completions' tokens (one, unless weights changed meanwhile)."""
 
 
 async def sample_and_score(
@@ -137,10 +139,10 @@ async def sample_and_score(
     (the engines batch them). `rng` draws one seed per sample of every prompt, also of a prompt skipped as too
     long, so a prompt's draws do not depend on the others'."""
 
-    async def one(prompt: Prompt, prompt_ids: list[int], sample_rng: random.Random) -> tuple[str, bool, str]:
+    async def one(prompt: Prompt, prompt_ids: list[int], sample_rng: random.Random) -> tuple[str, bool, str, set[int]]:
         out = await generate_completion(generate, prompt_ids, cfg, tokens, sample_rng, version)
         result = await rewards.score(encoder.decode(out.tokens), prompt)
-        return prompt.id, result.passed, out.finish_reason
+        return prompt.id, result.passed, out.finish_reason, set(out.versions)
 
     jobs, skipped = [], 0
     for prompt in prompts:
@@ -151,11 +153,13 @@ async def sample_and_score(
             continue
         jobs += [one(prompt, ids, random.Random(s)) for s in seeds]
     passed: dict[str, list[bool]] = {}
-    finishes = []
-    for prompt_id, ok, finish in await asyncio.gather(*jobs):
+    finishes: list[str] = []
+    versions: set[int] = set()
+    for prompt_id, ok, finish, used in await asyncio.gather(*jobs):
         passed.setdefault(prompt_id, []).append(ok)
         finishes.append(finish)
-    return Sampled(passed, finishes, skipped)
+        versions |= used
+    return Sampled(passed, finishes, skipped, versions)
 
 
 async def validate(
@@ -169,18 +173,21 @@ async def validate(
     version: Callable[[], int],
     seed: int,
 ) -> dict[str, float]:
-    """mean@k pass rate per task and overall (`val/pass_rate`, `val/pass_rate/<task>`)."""
+    """mean@k pass rate per task and overall (`val/pass_rate`, `val/pass_rate/<task>`), and how many policy
+    versions generated the completions (`val/policy_versions`: 1, unless the weights changed meanwhile)."""
     rng = random.Random(seed)
     results: dict[str, list[bool]] = {}
-    skipped = 0
+    skipped, versions = 0, set[int]()
     for task, task_prompts in prompts.items():
         sampled = await sample_and_score(task_prompts, samples, generate, encoder, cfg, tokens, rewards, version, rng)
         results[task] = [ok for passes in sampled.passed.values() for ok in passes]
         skipped += sampled.skipped_long
+        versions |= sampled.versions
     metrics = {f"val/pass_rate/{task}": sum(r) / max(len(r), 1) for task, r in results.items()}
     every = [p for r in results.values() for p in r]
     metrics["val/pass_rate"] = sum(every) / max(len(every), 1)
     metrics["val/long_prompts_skipped"] = float(skipped)
+    metrics["val/policy_versions"] = float(len(versions))
     return metrics
 
 

@@ -82,6 +82,7 @@ def test_pipeline_rl_run_learns_logs_and_resumes(tmp_path):
     assert all(r["sync/bytes"] > 0 for r in steps)  # weights pushed after every step
     val = [r for r in rows if "val/pass_rate" in r]
     assert val and all(0 <= r["val/pass_rate/math"] <= 1 for r in val)
+    assert all(r["val/policy_versions"] == 1 for r in val)  # evaluated beside the step, before its weight push
     checkpoint = tmp_path / "pipe" / "checkpoints"
     assert (checkpoint / "latest").read_text() == "step_00000004"
 
