@@ -9,23 +9,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from torch import Tensor
+from typing import Any
 
 
-def zero_variance_keep(rewards_PG: Tensor) -> Tensor:
-    """Bool per prompt: True where the group's rewards are not all equal."""
-    import torch  # here: the sampler imports this module in the driver before torch is needed
-
-    if rewards_PG.ndim != 2:
-        raise ValueError(f"rewards must be [prompts, generations], got shape {tuple(rewards_PG.shape)}")
-    if rewards_PG.shape[1] == 0:
-        return torch.zeros(rewards_PG.shape[0], dtype=torch.bool)
-    return rewards_PG.amax(dim=1) != rewards_PG.amin(dim=1)
+def has_reward_variance(rewards: Sequence[float]) -> bool:
+    """The zero-variance filter's test of one group: True when its rewards are not all equal (plain floats:
+    the driver runs it on every finished group and holds no torch)."""
+    return len(rewards) > 0 and max(rewards) != min(rewards)
 
 
 @dataclass

@@ -107,8 +107,6 @@ def warm_start(
 ) -> Path:
     """Fine-tune the HF model in `model_dir` on worked solutions of `tasks` (mixed by weight per batch
     row), each step of a solution written with a slip with chance `slip`; save it to `out_dir`."""
-    import torch
-
     inputs: list[object] = [str(model_dir), len(tasks[0].prompts), steps, batch_size, lr, seed]
     if slip:
         inputs.append(slip)
@@ -117,7 +115,8 @@ def warm_start(
     key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     out_dir = out_dir.with_name(f"{out_dir.name}-{key}")
     if _complete(out_dir, key):
-        return out_dir
+        return out_dir  # the driver holds no torch when the warm-up was done before
+    import torch
 
     # As many threads as a trainer rank takes (OMP_NUM_THREADS): torch's default (every core) makes two runs
     # warming up at once on one machine oversubscribe it many times over.

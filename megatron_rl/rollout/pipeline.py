@@ -40,9 +40,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from megatron_rl.algo.filters import zero_variance_keep
+from megatron_rl.algo.filters import has_reward_variance
 from megatron_rl.algo.length_penalty import overlong_penalty
 from megatron_rl.config import AlgoConfig, RolloutConfig
 from megatron_rl.data.datasets import Prompt
@@ -245,7 +243,7 @@ class RolloutPipeline:
         if self.algo.truncated == "exclude":
             completions = [c for c in completions if not c.truncated]
         if self.algo.zero_variance_filter:
-            if len(completions) < 2 or not bool(zero_variance_keep(torch.tensor([[c.reward for c in completions]]))[0]):
+            if len(completions) < 2 or not has_reward_variance([c.reward for c in completions]):
                 return None
         elif not completions:
             return None

@@ -3,15 +3,14 @@
 import json
 
 import pytest
-import torch
 
-from megatron_rl.algo.filters import NoPositiveResampling, zero_variance_keep
+from megatron_rl.algo.filters import NoPositiveResampling, has_reward_variance
 from megatron_rl.algo.length_penalty import overlong_penalty
 
 
 def test_zero_variance_keeps_only_mixed_groups():
-    rewards = torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [1.0, -1.0, -1.0], [0.5, 0.5, 0.25]])
-    assert zero_variance_keep(rewards).tolist() == [False, False, True, True]
+    groups = [[1.0, 1.0, 1.0], [-1.0, -1.0, -1.0], [1.0, -1.0, -1.0], [0.5, 0.5, 0.25], [0.7], []]
+    assert [has_reward_variance(g) for g in groups] == [False, False, True, True, False, False]
 
 
 def test_no_positive_resampling_uses_the_latest_group_and_round_trips():
