@@ -205,6 +205,10 @@ class PackedCoreAttention(torch.nn.Module):
         if self.llama4 is not None:
             query_T = self.llama4.scale_query(query_T, rows)
             rows = self.llama4.packed_seq_params(rows)
+        repeat = query_T.shape[1] // key_T.shape[1]
+        if repeat > 1:  # GQA: torch's flash kernels (CPU, and CUDA under the dispatcher's rules) want equal heads
+            key_T = key_T.repeat_interleave(repeat, dim=1)
+            value_T = value_T.repeat_interleave(repeat, dim=1)
         if rows.segment_groups is None:
             rows.segment_groups = segment_groups(rows.cu_seqlens_q.tolist(), query_T.device)
         if len(rows.segment_groups) == 1 and rows.segment_groups[0].order is None:
@@ -234,14 +238,14 @@ class SegmentGroup:
     longest: int
 
     def attend(self, query_T: Tensor, key_T: Tensor, value_T: Tensor, scale: float) -> Tensor:
-        """[tokens, heads, dim] (keys and values: [tokens, groups, dim]) -> [group tokens, heads * dim]."""
+        """[tokens, heads, dim] -> [group tokens, heads * dim]."""
         q, k, v = (
             x.index_select(0, self.gather).view(self.segments, self.longest, *x.shape[1:]).transpose(1, 2)
             for x in (query_T, key_T, value_T)
         )
         # [segments, heads, longest, dim], 4-D: torch's CPU flash kernel (memory linear in `longest`); the math
         # kernel that 3-D inputs fall back to keeps the [heads, longest, longest] scores.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
         return out.transpose(1, 2).reshape(self.segments * self.longest, -1).index_select(0, self.keep)
 
 
