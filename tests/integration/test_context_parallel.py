@@ -24,6 +24,7 @@ from test_trainer import _max_diff, _run, _whole_tp_grads  # noqa: E402
 from megatron_rl.trainer.context_parallel import cp_layout, partition  # noqa: E402
 
 LR = ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0", "parallel.distributed_optimizer=false"]
+LR += ["trainer.micro_batch_tokens=512"]  # the batch below in two rows
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
 # Two packed rows (6 and 3 sequences) of 40-100 tokens, odd lengths: every sequence gets CP padding.
 BATCH = {"prompts": 3, "group": 3, "prompt_len": [15, 30], "completion_len": [25, 70], "seed": 5}

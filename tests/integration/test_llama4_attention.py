@@ -26,6 +26,7 @@ RULES = [
     "model.floor_scale=16",
     "model.attn_scale=0.5",
     "model.max_position_embeddings=256",
+    "trainer.micro_batch_tokens=512",  # the batch below in two rows
 ]
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
 # Two packed rows (6 and 3 sequences) of odd lengths, 477 and 173 tokens: at TP2 with sequence parallel each

@@ -25,6 +25,7 @@ from test_trainer import _max_diff, _run  # noqa: E402
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
 TE = [
     "trainer.layer_spec=transformer_engine",
+    "trainer.micro_batch_tokens=512",  # the batch below in two rows
     # what the stand-in does not model; everything else as a GPU node resolves it (grouped GEMM experts included)
     "trainer.performance.apply_rope_fusion=false",
     "trainer.performance.moe_permute_fusion=false",
