@@ -497,7 +497,9 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_on_every_rank(tmp_path):
 
 
 def test_a_sequence_longer_than_a_micro_batch_stops_before_any_collective(tmp_path):
-    spec = {"model": "cpu_demo", "overrides": LR, "batch": {"completion_len": [600, 601]}, "out": str(tmp_path / "x")}
+    overrides = [*LR, "trainer.micro_batch_tokens=512"]
+    batch = {"completion_len": [600, 601]}
+    spec = {"model": "cpu_demo", "overrides": overrides, "batch": batch, "out": str(tmp_path / "x")}
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run([sys.executable, str(WORKER), json.dumps(spec)], env=env, capture_output=True, text=True)
     assert proc.returncode != 0
