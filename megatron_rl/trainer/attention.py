@@ -236,9 +236,16 @@ class SegmentGroup:
     """The row positions of `keep`'s tokens when the row has other groups (None: this group is the whole row)."""
     segments: int
     longest: int
+    start: int
+    """The first segment's start in the row (the view taken when the group is one sequence)."""
 
     def attend(self, query_T: Tensor, key_T: Tensor, value_T: Tensor, scale: float) -> Tensor:
         """[tokens, heads, dim] -> [group tokens, heads * dim]."""
+        if self.segments == 1:  # one sequence: views of the row, no padded copy held for backward (long rows)
+            span = slice(self.start, self.start + self.longest)
+            q, k, v = (x[span].transpose(0, 1)[None] for x in (query_T, key_T, value_T))
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0]
+            return out.transpose(0, 1).reshape(self.longest, -1)
         q, k, v = (
             x.index_select(0, self.gather).view(self.segments, self.longest, *x.shape[1:]).transpose(1, 2)
             for x in (query_T, key_T, value_T)
@@ -277,6 +284,7 @@ def segment_groups(bounds: list[int], device: torch.device | str) -> list[Segmen
                 None if order is None else order.to(device),
                 len(batch),
                 longest,
+                batch[0][1],
             )
         )
     return groups
