@@ -4,12 +4,17 @@ Nothing is downloaded: the tokenizer is trained with `tokenizers` on text this m
 synthetic tasks' prompts and answers, the interruption phrase, chat markers), so it covers what the
 CPU run generates in few tokens. Digits are split one per token so arithmetic is learnable. The saved
 directory loads with `transformers.AutoTokenizer` and SGLang alike.
+
+`load_tokenizer(path)` loads any policy's tokenizer (this one or a Hub model's) in a process that computes
+no tensors, the run's driver, without importing torch.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 from pathlib import Path
+from typing import Any
 
 from megatron_rl.config import InterruptionConfig
 
@@ -54,6 +59,30 @@ def _corpus(seed: int = 0) -> list[str]:
         lines.append(" ".join(rng.choices(words, k=8)))
     lines.append("def solve(): return print(input()) for in range if else while")
     return lines
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """`transformers.AutoTokenizer.from_pretrained(path)`, without torch where nothing has imported it yet.
+
+    transformers imports torch whenever torch is installed (~150 MB of a process's own memory and ~1 s of
+    start-up), though a fast tokenizer and its chat template need only `tokenizers` and jinja2. In a process
+    that has not imported torch (the run's driver: it sends token ids and never computes tensors),
+    transformers is therefore imported with torch hidden: a `None` in `sys.modules` makes
+    `importlib.util.find_spec("torch")` report it absent, transformers settles into its tokenizers-only mode
+    (it decides once, at import), and torch is visible again when the import returns. The tokenizer is the
+    same either way: the fast tokenizer is `tokenizers`' own, and token ids come back as lists
+    (tests/unit/test_tokenizer_no_torch.py compares ids and chat templates with a torch process's).
+    A process that already holds torch or transformers (the first CPU run, whose warm-up trains in the
+    driver; the tests) loads it as it is."""
+    if "torch" not in sys.modules and "transformers" not in sys.modules:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+        try:
+            from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401  (decides at import)
+        finally:
+            del sys.modules["torch"]
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_length: int = 1024) -> Path:

@@ -20,7 +20,8 @@ Failures are typed so the pipeline can catch and count them: `EngineUnavailableE
 connection: the server is dead or restarting), `EngineTimeoutError`, `EngineRequestError` (the server
 answered with an HTTP error), all `EngineError`. The client retries only what cannot have reached the
 server (a connection that was never established); the balancer (generator/balancer.py) retries a failed
-request on another engine.
+request on another engine. A weight update that did not reach every engine ends in a `SyncError` (raised by
+generator/weight_sync.py, defined here without torch: the driver catches it and holds no torch).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import base64
 import binascii
 import contextlib
 import json
+from collections.abc import Iterable
 from typing import Any, Literal
 
 import aiohttp
@@ -68,6 +70,18 @@ class EngineRequestError(EngineError):
     def __init__(self, url: str, message: str, status: int) -> None:
         super().__init__(url, message)
         self.status = status
+
+
+class SyncError(RuntimeError):
+    """A weight update did not reach every engine. `engines`: the sender's indices of the engines that
+    failed a call or had not answered by the deadline (the ones to restart); empty when none is to blame."""
+
+    def __init__(self, message: str, engines: Iterable[int] = ()) -> None:
+        super().__init__(message)
+        self.engines = sorted(set(engines))
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keep `engines` through pickling (Ray)
+        return (SyncError, (str(self), self.engines))
 
 
 FinishReason = Literal["stop", "length", "abort"]

@@ -73,22 +73,10 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import RolloutConfig
-from megatron_rl.generator.client import SGLangClient
+from megatron_rl.generator.client import SGLangClient, SyncError
 
 GROUP_NAME = "megatron_rl_weight_sync"
 T = TypeVar("T")
-
-
-class SyncError(RuntimeError):
-    """A weight update did not reach every engine. `engines`: the sender's indices of the engines that
-    failed a call or had not answered by the deadline (the ones to restart); empty when none is to blame."""
-
-    def __init__(self, message: str, engines: Iterable[int] = ()) -> None:
-        super().__init__(message)
-        self.engines = sorted(set(engines))
-
-    def __reduce__(self) -> tuple[Any, ...]:  # keep `engines` through pickling (Ray)
-        return (SyncError, (str(self), self.engines))
 
 
 def new_process_group(

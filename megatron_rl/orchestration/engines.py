@@ -35,7 +35,7 @@ from typing import Any
 
 from megatron_rl.config import RunConfig, SamplingConfig
 from megatron_rl.generator.balancer import EngineBalancer
-from megatron_rl.generator.client import SGLangClient
+from megatron_rl.generator.client import SGLangClient, SyncError
 from megatron_rl.generator.server import SGLangServer
 from megatron_rl.orchestration.placement import Placed, describe, engine_placement, locations, spawn
 from megatron_rl.rollout.types import RoutingShape
@@ -162,9 +162,6 @@ class EngineGroup:
 
     async def _push(self, trainers: Any, what: str) -> dict[str, float]:
         """One push (lock held); after a failure restart the dead engines, re-form the group, push once more."""
-        # Here, not at the top: weight_sync imports torch, which the EngineHost actors (this module) never need.
-        from megatron_rl.generator.weight_sync import SyncError
-
         try:
             if self.resync:
                 await self._reconnect(trainers)

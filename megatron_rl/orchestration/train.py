@@ -425,11 +425,10 @@ def prepare_inputs(run: RunConfig) -> tuple[Splits, dict[str, BenchmarkSet], Pat
     policy = prepare_policy(run, splits)
     run.check_context(policy)  # the engines would refuse a context beyond the checkpoint's positions
     run.check_engine_attention()  # ... and serve chunked attention wrongly on CPU
-    from transformers import AutoTokenizer  # these import torch: while Ray starts, not at the CLI's start
-
+    from megatron_rl.data.tokenizer import load_tokenizer  # transformers, without torch: while Ray starts
     from megatron_rl.rollout.pipeline import PromptEncoder
 
-    tokenizer = AutoTokenizer.from_pretrained(policy)
+    tokenizer = load_tokenizer(policy)
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
     tokens = interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective

@@ -28,7 +28,6 @@ from pathlib import Path
 from megatron_rl.config import ConfigError, RunConfig
 from megatron_rl.data.datasets import Prompt, Splits
 from megatron_rl.data.synthetic import SOLUTIONS
-from megatron_rl.models.tiny import build_tiny_model
 
 POLICY_CACHE = Path.home() / ".cache" / "megatron_rl"
 
@@ -82,6 +81,8 @@ def base_model(run: RunConfig, cache: Path = POLICY_CACHE) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
+        from megatron_rl.models.tiny import build_tiny_model  # torch: only when a model is built
+
         build_tiny_model(staging, run.model, seed=run.seed)
         (staging / MARKER).write_text(json.dumps({"key": key}))
         if out.exists() and not _complete(out, key):
