@@ -449,7 +449,30 @@ def start_ray(run: RunConfig) -> None:
         slots = local_ray_cpus(run, cores)
         if slots > cores:
             print(f"ray: {slots} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
-        ray.init(address="local", include_dashboard=False, num_cpus=slots)
+        with _without_autoscaler():
+            ray.init(address="local", include_dashboard=False, num_cpus=slots)
+
+
+@contextlib.contextmanager
+def _without_autoscaler() -> Any:
+    """A local Ray head without the autoscaler's monitor process (55 MB of memory): one machine's Ray has no
+    nodes to add or remove. `ray.init` exposes no switch for it; `ray start --head` has one (`--no-monitor`,
+    the field `RayParams.no_monitor` it sets), so the head `ray.init` starts is given the same field. Ray's
+    log monitor (actors' output on this console) and its dashboard agents (the state API) still start."""
+    import ray._private.parameter as parameter
+
+    base = parameter.RayParams
+
+    class HeadParams(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.no_monitor = True
+
+    parameter.RayParams = HeadParams
+    try:
+        yield
+    finally:
+        parameter.RayParams = base
 
 
 def load_downstream(run: RunConfig) -> dict[str, BenchmarkSet]:
