@@ -25,9 +25,12 @@ STEPS = ["trainer.optimizer.lr=1e-3", "trainer.optimizer.warmup_steps=0", "paral
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, fraction", [("fp32", 1.0), ("fp32", 0.5), ("bf16", 0.5)])
 def test_steps_with_and_without_offload_give_the_same_parameters(tmp_path, dtype, fraction):
-    """fp32: every parameter within 1e-4 of how far it moved (three Adam steps at lr 1e-3 move each by ~3e-3; a
-    wrong or skipped offloaded update would be off by as much). bf16: the same bf16 values, up to one ulp where the
-    fp32 master weights round differently."""
+    """fp32: every parameter within 1e-3 of how far its tensor moved (three Adam steps at lr 1e-3 move each by
+    ~3e-3; a wrong or skipped offloaded update would be off by as much). The host's and the device's Adam round
+    differently: on an AMD EPYC host a few elements per tensor differ by 1.2e-4 of the move (3.6e-7). bf16: the same
+    bf16 values up to one ulp, or within 1e-2 of the move for values near zero, whose ulp is finer than the fp32
+    master weights' rounding carried through three bf16 forward/backward passes (measured up to 2.9e-3 of the move
+    there)."""
     common = STEPS + [f"trainer.params_dtype={dtype}"]
     offload = ["trainer.optimizer.cpu_offload=true", f"trainer.optimizer.offload_fraction={fraction}"]
     runs = {}
@@ -50,9 +53,9 @@ def test_steps_with_and_without_offload_give_the_same_parameters(tmp_path, dtype
             moved = float((value - start[name].float()).abs().max())
             trained += moved > 0
             if dtype == "fp32":
-                torch.testing.assert_close(other, value, rtol=0, atol=1e-4 * moved, msg=name)
+                torch.testing.assert_close(other, value, rtol=0, atol=1e-3 * moved, msg=name)
             else:
-                torch.testing.assert_close(other, value, rtol=2**-7, atol=1e-6, msg=name)
+                torch.testing.assert_close(other, value, rtol=2**-7, atol=max(1e-6, 1e-2 * moved), msg=name)
     assert trained >= len(names)  # bf16 norm weights at 1.0 may round back: most parameters moved on both ranks
     for a, b in zip(runs["offload"][0]["steps"], runs["device"][0]["steps"], strict=True):
         assert a["train/loss"] == pytest.approx(b["train/loss"], rel=1e-4)
