@@ -39,6 +39,12 @@ What is patched, and why (docs/cpu.md §3):
    elementwise arithmetic as the loop, so the same values bit for bit (tests/integration/test_trainer.py).
    Frequencies given per packed token (`freqs` as long as the whole row) go to megatron's function unchanged.
 
+7. `torch.compile` while the bodies of `megatron.core.jit` and `megatron.core.transformer.moe.router` run
+   (`eager_compile`, entered by `megatron_rl.trainer.MegatronImports` when those modules are first imported): a no-op
+   decorator. megatron's `jit_fuser` then stays the function itself, so the fused activations, the L2 q/k norm and
+   the MoE router's expert bias run eagerly (the same arithmetic, without a CPU inductor compile of seconds at
+   first call), and nothing imports inductor (63 MB per rank).
+
 `PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
 test `test_cpu_compat_symbols_exist` in tests/integration/test_trainer.py) fails with the missing names if a
 megatron-core upgrade renames one, instead of a confusing CUDA error deep in a forward pass.
@@ -51,6 +57,7 @@ import importlib
 import pkgutil
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -355,6 +362,25 @@ def _patch_loaded_modules() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("megatron.core") and getattr(module, "torch", None) is torch:
             module.torch = _TORCH  # type: ignore[attr-defined]
+
+
+def _no_compile(model: Any = None, **kwargs: Any) -> Any:
+    return model if model is not None else (lambda fn: fn)
+
+
+@contextlib.contextmanager
+def eager_compile() -> Iterator[bool]:
+    """On a host without CUDA, `torch.compile` is a no-op decorator for the duration (item 7 above); yields whether
+    it is. Process-wide while it lasts: meant only around a module body being imported."""
+    if torch.cuda.is_available():
+        yield False
+        return
+    compile_ = torch.compile
+    torch.compile = _no_compile  # type: ignore[assignment]
+    try:
+        yield True
+    finally:
+        torch.compile = compile_
 
 
 def apply() -> bool:
