@@ -11,7 +11,6 @@ no tensors, the run's driver, without importing torch.
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 from pathlib import Path
@@ -62,9 +61,6 @@ def _corpus(seed: int = 0) -> list[str]:
     return lines
 
 
-NO_ADVICE = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
-
-
 def load_tokenizer(path: str | Path) -> Any:
     """`transformers.AutoTokenizer.from_pretrained(path)`, without torch where nothing has imported it yet.
 
@@ -76,21 +72,14 @@ def load_tokenizer(path: str | Path) -> Any:
     (it decides once, at import), and torch is visible again when the import returns. The tokenizer is the
     same either way: the fast tokenizer is `tokenizers`' own, and token ids come back as lists
     (tests/unit/test_tokenizer_no_torch.py compares ids and chat templates with a torch process's).
-    transformers' console advice that PyTorch was not found is silenced for that import.
     A process that already holds torch or transformers (the first CPU run, whose warm-up trains in the
     driver; the tests) loads it as it is."""
     if "torch" not in sys.modules and "transformers" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]
-        advice = os.environ.get(NO_ADVICE)
-        os.environ[NO_ADVICE] = "1"  # transformers' "PyTorch was not found" advice: hidden on purpose here
         try:
             from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401  (decides at import)
         finally:
             del sys.modules["torch"]
-            if advice is None:
-                del os.environ[NO_ADVICE]
-            else:
-                os.environ[NO_ADVICE] = advice
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -8,7 +8,6 @@ template rendering, the same special tokens. The reference here is this (torch-h
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 from transformers import AutoTokenizer
 
 from megatron_rl.config import InterruptionConfig
-from megatron_rl.data.tokenizer import NO_ADVICE, build_tokenizer
+from megatron_rl.data.tokenizer import build_tokenizer
 
 TEXTS = ["What is 123 + 45?", " \\boxed{168}", "Let me add the numbers: 3+5=8 carry 1", "<think>so</think> done"]
 MESSAGES = [
@@ -25,7 +24,7 @@ MESSAGES = [
 ]
 
 PROBE = """
-import json, os, sys
+import json, sys
 from megatron_rl.data.tokenizer import load_tokenizer
 from megatron_rl.orchestration import engines, train  # noqa: F401  (the driver's step-time modules)
 from megatron_rl.rollout import pipeline, evaluation  # noqa: F401
@@ -41,7 +40,6 @@ out = {
     "end": tok.convert_tokens_to_ids("</think>"),
     "phrase": tok(phrase, add_special_tokens=False)["input_ids"],
     "torch": "torch" in sys.modules,
-    "advice_env": "TRANSFORMERS_NO_ADVISORY_WARNINGS" in os.environ,
 }
 print(json.dumps(out))
 """
@@ -56,13 +54,10 @@ def test_the_driver_loads_the_same_tokenizer_without_torch(tmp_path: Path) -> No
     path = build_tokenizer(tmp_path / "tok")
     phrase = " " + InterruptionConfig().phrase
     args = json.dumps([TEXTS, MESSAGES, phrase])
-    env = {k: v for k, v in os.environ.items() if k != NO_ADVICE}
-    result = subprocess.run([sys.executable, "-c", PROBE, str(path), args], capture_output=True, text=True, env=env)
+    result = subprocess.run([sys.executable, "-c", PROBE, str(path), args], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got["torch"] is False, "the driver's tokenizer or step-time modules imported torch"
-    assert "PyTorch was not found" not in result.stderr  # transformers' advice, beside a run's first lines
-    assert not got["advice_env"]  # the switch that silenced it is gone again
 
     ref = AutoTokenizer.from_pretrained(path)
     assert got["ids"] == [ref(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
