@@ -42,7 +42,7 @@ What is patched, and why (docs/cpu.md §3):
 7. `torch.compile` while the bodies of `megatron.core.jit` and `megatron.core.transformer.moe.router` run
    (`eager_compile`, entered by `megatron_rl.trainer.MegatronImports` when those modules are first imported): a no-op
    decorator. megatron's `jit_fuser` then stays the function itself, so the fused activations, the L2 q/k norm and
-   the MoE router's expert bias run eagerly (the same arithmetic, without a CPU inductor compile of seconds at
+   the MoE router's expert bias run eagerly (the same arithmetic, without a CPU inductor compile at their
    first call), and nothing imports inductor (63 MB per rank).
 
 `PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
