@@ -11,6 +11,7 @@ no tensors, the run's driver, without importing torch.
 
 from __future__ import annotations
 
+import logging
 import random
 import sys
 from pathlib import Path
@@ -61,6 +62,11 @@ def _corpus(seed: int = 0) -> list[str]:
     return lines
 
 
+def _no_torch_advice(record: logging.LogRecord) -> bool:
+    """Drops transformers' "PyTorch was not found" advice: torch is hidden on purpose, and a run's trainer has it."""
+    return not str(record.msg).startswith("PyTorch was not found")
+
+
 def load_tokenizer(path: str | Path) -> Any:
     """`transformers.AutoTokenizer.from_pretrained(path)`, without torch where nothing has imported it yet.
 
@@ -72,14 +78,19 @@ def load_tokenizer(path: str | Path) -> Any:
     (it decides once, at import), and torch is visible again when the import returns. The tokenizer is the
     same either way: the fast tokenizer is `tokenizers`' own, and token ids come back as lists
     (tests/unit/test_tokenizer_no_torch.py compares ids and chat templates with a torch process's).
+    transformers' advice at that import ("PyTorch was not found. Models won't be available ...") is filtered
+    from its logger for the import's duration: torch is hidden on purpose and would mislead a run's console.
     A process that already holds torch or transformers (the first CPU run, whose warm-up trains in the
     driver; the tests) loads it as it is."""
     if "torch" not in sys.modules and "transformers" not in sys.modules:
         sys.modules["torch"] = None  # type: ignore[assignment]
+        advice = logging.getLogger("transformers")  # the logger transformers' import-time advice goes to
+        advice.addFilter(_no_torch_advice)
         try:
             from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: F401  (decides at import)
         finally:
             del sys.modules["torch"]
+            advice.removeFilter(_no_torch_advice)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -40,6 +40,7 @@ out = {
     "end": tok.convert_tokens_to_ids("</think>"),
     "phrase": tok(phrase, add_special_tokens=False)["input_ids"],
     "torch": "torch" in sys.modules,
+    "filters": len(__import__("logging").getLogger("transformers").filters),
 }
 print(json.dumps(out))
 """
@@ -58,6 +59,9 @@ def test_the_driver_loads_the_same_tokenizer_without_torch(tmp_path: Path) -> No
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got["torch"] is False, "the driver's tokenizer or step-time modules imported torch"
+    # torch is hidden on purpose: transformers' "PyTorch was not found" advice would mislead a run's console
+    assert "PyTorch was not found" not in result.stderr + result.stdout, result.stderr
+    assert got["filters"] == 0  # transformers' logger is left as it was
 
     ref = AutoTokenizer.from_pretrained(path)
     assert got["ids"] == [ref(t, add_special_tokens=False)["input_ids"] for t in TEXTS]
