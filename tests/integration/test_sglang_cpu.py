@@ -178,3 +178,61 @@ def test_cpu_sampling_draws_each_token_with_its_probability() -> None:
     recorded = megatron_rl_sglang_cpu.inverse_cdf_sampling(lambda *args: calls.append(args) or "sglang's")
     seed, positions = torch.tensor([7]), torch.tensor([3])
     assert recorded(probs[None], seed, positions) == "sglang's" and calls[0][1] is seed and calls[0][2] is positions
+
+
+def test_torch_compile_waits_for_the_first_call_of_what_it_compiles() -> None:
+    """In SGLang's processes on CPU, `torch.compile` on a plain function calls the real one (same options) at the
+    function's first call and runs what it returned; a module is compiled at once."""
+    import megatron_rl_sglang_cpu
+
+    calls: list[tuple[object, dict]] = []
+
+    def real(model: object, **options: object) -> object:
+        calls.append((model, options))
+        return lambda *args, **kwargs: ("compiled", model(*args, **kwargs))
+
+    lazy = megatron_rl_sglang_cpu.deferred_compile(real)
+
+    @lazy(dynamic=True, backend="inductor")
+    def double(x: int, scale: int = 2) -> int:
+        return x * scale
+
+    @lazy
+    def plain(x: int) -> int:
+        return x + 1
+
+    assert calls == [] and double.__name__ == "double"  # decorating compiled nothing
+    assert double(3, scale=5) == ("compiled", 15) and plain(1) == ("compiled", 2)
+    assert double(4) == ("compiled", 8)
+    assert [options for _, options in calls] == [{"dynamic": True, "backend": "inductor"}, {}]  # once each
+    module = torch.nn.Linear(2, 2)
+    lazy(module, mode="default")
+    assert calls[-1] == (module, {"mode": "default"})
+
+
+def test_importing_sglang_on_cpu_leaves_inductor_unimported() -> None:
+    """The server's imports decorate ~50 functions with `torch.compile`; none imports inductor's compiler any more
+    (it cost 1.6-2.4 s of the engine's start-up), and a deferred function still compiles and runs when called."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "import sglang.srt.layers.quantization, sglang.srt.layers.moe.moe_runner.deep_gemm as dg\n"
+        "assert torch.compile.megatron_rl_original is not None\n"
+        "inductor = sum(m.startswith('torch._inductor') for m in sys.modules)\n"
+        "print(inductor, 'torch._functorch.aot_autograd' in sys.modules)\n"
+        "f = torch.compile(lambda x: x * 2, backend='eager')\n"  # a lambda is a plain function: deferred too
+        "def g(x): return torch.sin(x) + 1\n"
+        "h = torch.compile(g, backend='eager')\n"
+        "x = torch.arange(4.0)\n"
+        "assert torch.equal(h(x), torch.sin(x) + 1) and torch.equal(f(x), x * 2)\n"
+        "print('torch._dynamo.eval_frame' in sys.modules)\n"
+    )
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    inductor, aot, dynamo = out.stdout.split()
+    assert int(inductor) < 40 and aot == "False", out.stdout  # 181 inductor modules and AOTAutograd before
+    assert dynamo == "True"

@@ -124,6 +124,19 @@ What: without a per-request seed, each row draws one uniform u in [0, total) and
 cumulative probability exceeds u (`searchsorted`): the same distribution (inverse transform sampling), 20x
 faster there. A zero-probability token is never drawn. The seeded (deterministic inference) path is SGLang's
 own. Checked against the probabilities by frequency (tests/integration/test_sglang_cpu.py).
+
+9. `torch.compile` deferred to the first call in SGLang's processes on CPU.
+
+Why: SGLang decorates ~50 functions with `torch.compile` at import (MoE runners, quantization, norms). Each
+decoration only wraps the function (compilation waits for its first call), but the first one imports inductor
+and AOTAutograd to resolve the backend: 160 more modules, 1.6-2.4 s of the server's import CPU on the engine's
+start-up path (it is on the run's critical path) and ~40 MB in the server, shared by its forked children. On the
+CPU path none of those functions is called (the CUDA/NPU kernels' helpers), so the work was for nothing.
+
+What: once torch is imported and an `sglang` module is first imported (CPU only), `torch.compile` applied to a
+plain function returns a wrapper that calls the real `torch.compile` with the same arguments at the wrapper's
+first call and then runs what it returned: exactly what decorating did, later. Compiling a module, or anything
+but a plain function, calls the real `torch.compile` at once; torch's own `torch.compiler.disable` is untouched.
 """
 
 from __future__ import annotations
@@ -532,6 +545,35 @@ def _patch_engine_entrypoint(module: types.ModuleType) -> None:
         module._set_envs_and_config = fork_children(module._set_envs_and_config)
 
 
+def deferred_compile(compile):  # type: ignore[no-untyped-def]
+    """`torch.compile` whose call on a plain function is made at that function's first call."""
+    import functools
+
+    def lazy(model=None, **options):  # type: ignore[no-untyped-def]
+        if model is None:  # `@torch.compile(dynamic=True, ...)`: the decorator
+            return lambda fn: lazy(fn, **options)
+        if not isinstance(model, types.FunctionType):
+            return compile(model, **options)
+        compiled = None
+
+        @functools.wraps(model)
+        def run(*args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile(model, **options)
+            return compiled(*args, **kwargs)
+
+        return run
+
+    lazy.megatron_rl_original = compile  # type: ignore[attr-defined]
+    return lazy
+
+
+def _defer_torch_compile(torch: types.ModuleType) -> None:
+    if not hasattr(torch.compile, "megatron_rl_original"):
+        torch.compile = deferred_compile(torch.compile)
+
+
 PATCHES = {
     TORCH_NATIVE: _patch_torch_native,
     "sglang.srt.platforms.cpu": _patch_cpu_platform,
@@ -557,9 +599,18 @@ class _PatchAfterLoad(importlib.abc.Loader):
 
 
 class SGLangCpuPatches(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        self.compile_deferred = False
+
     def find_spec(
         self, fullname: str, path: object = None, target: object = None
     ) -> importlib.machinery.ModuleSpec | None:
+        if not self.compile_deferred and fullname.startswith("sglang"):
+            torch = sys.modules.get("torch")
+            if torch is not None:  # decided once, with torch imported (SGLang imports it first)
+                self.compile_deferred = True
+                if not torch.cuda.is_available():
+                    _defer_torch_compile(torch)
         if fullname not in PATCHES:
             return None
         torch = sys.modules.get("torch")
