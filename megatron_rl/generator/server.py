@@ -229,8 +229,8 @@ class SGLangServer:
 
     async def restart(self, timeout_s: float | None = None, grace_s: float = 20.0) -> None:
         """Stop (SIGKILL after `grace_s`) and start again (on the same port if it is still free), then wait
-        until ready."""
-        self.stop(grace_s)
+        until ready. The stop waits in a thread: the caller's event loop (the driver's, for a local engine) goes on."""
+        await asyncio.to_thread(self.stop, grace_s)
         if not _port_is_free(self.host, self.port):
             self.port = free_port(self.host)
         self.restarts += 1

@@ -3,7 +3,11 @@
 Each engine is an `EngineHost` Ray actor that owns one SGLang server process (holding `engine.tp` GPUs of
 one node on a cluster, reserved by a placement group (orchestration/placement.py); one core on CPU) and
 reports its URL; the driver talks to all of them over HTTP through an `EngineBalancer`. The weight-sync
-group's rendezvous is on trainer rank 0's node, which hosts its store.
+group's rendezvous is on trainer rank 0's node, which hosts its store. CPU engines of a run on one machine
+(`local_engines`: Ray started by the driver) have no node or GPU for Ray to choose: their servers are the
+driver's own child processes (`LocalEngine`), started as soon as the starting policy is checked
+(`LocalLaunch`), before Ray is up. Either way an engine is the same `SGLangServer`, started, restarted and
+stopped the same way; only where its process lives differs.
 
 A killed engine costs time, not the run:
 - A request whose engine failed waits while the balancer's callback restarts that engine if its process
@@ -30,14 +34,17 @@ policy (the tokens say so).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.config import RunConfig, SamplingConfig
+from megatron_rl.config import EngineConfig, RunConfig, SamplingConfig
 from megatron_rl.generator.balancer import EngineBalancer
 from megatron_rl.generator.client import SGLangClient, SyncError
 from megatron_rl.generator.server import SGLangServer
-from megatron_rl.orchestration.placement import Placed, describe, engine_placement, locations, spawn
+from megatron_rl.orchestration.placement import Placed, Placement, describe, engine_placement, locations, spawn
 from megatron_rl.rollout.types import RoutingShape
 
 
@@ -47,14 +54,10 @@ class EngineHost(Placed):
     def setup(self, model_path: str, engine: dict[str, Any], log_path: str, context_length: int) -> None:
         import ray
 
-        from megatron_rl.config import EngineConfig, build
+        from megatron_rl.config import build
 
         host = ray.util.get_node_ip_address()
-        # The KV pool: SGLang sizes it from the memory fraction on GPUs; on CPU the server's own default
-        # (generator/server.py, CPU_DEFAULT_MAX_TOTAL_TOKENS) caps it in tokens.
-        self.server = SGLangServer(
-            Path(model_path), build(EngineConfig, engine), Path(log_path), host=host, context_length=context_length
-        )
+        self.server = engine_server(Path(model_path), build(EngineConfig, engine), Path(log_path), context_length, host)
 
     async def start(self) -> str:
         self.server.start()
@@ -70,39 +73,142 @@ class EngineHost(Placed):
         return self.server.alive()
 
     def pid(self) -> int:
-        return self.server.process.pid if self.server.process else -1
+        return self.server.pid or -1
 
     def stop(self) -> None:
         self.server.stop()
 
 
+def engine_server(model: Path, engine: EngineConfig, log: Path, context_length: int, host: str) -> SGLangServer:
+    """The server of one engine. The KV pool: SGLang sizes it from the memory fraction on GPUs; on CPU the server's
+    own default (generator/server.py, CPU_DEFAULT_MAX_TOTAL_TOKENS) caps it in tokens."""
+    return SGLangServer(model, engine, log, host=host, context_length=context_length)
+
+
+def local_engines(run: RunConfig) -> bool:
+    """CPU engines of a run on one machine (Ray started by the driver, no RAY_ADDRESS) are the driver's own child
+    processes: Ray has no node or GPU to choose for them, and each would cost an actor process (~90 MB, ~1 s of
+    CPU) between Ray's start and the server's, on the start-up's critical path."""
+    return run.rollout.engine.device == "cpu" and not os.environ.get("RAY_ADDRESS")
+
+
+class LocalLaunch:
+    """The servers of `local_engines`, started as soon as the starting policy is known and checked (from the thread
+    that prepares the run's inputs, before Ray is up), so their imports overlap the rest of the start-up; the
+    `EngineGroup` then waits for them to be ready. `close` stops them if the start fails before that."""
+
+    def __init__(self, run: RunConfig, run_dir: Path) -> None:
+        self.run, self.run_dir = run, run_dir
+        self.servers: list[SGLangServer] | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def start(self, policy: Path) -> None:
+        engine, logs = with_routing(self.run), self.run_dir / "logs"
+        with self._lock:
+            if self._closed:  # the start failed meanwhile
+                return
+            self.servers = [
+                engine_server(policy, engine, logs / f"engine{i}.log", self.run.rollout.context_length, "127.0.0.1")
+                for i in range(engine.num_engines)
+            ]
+            for server in self.servers:
+                server.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for server in self.servers or []:
+                server.stop(grace_s=5.0)
+
+
+def with_routing(run: RunConfig) -> EngineConfig:
+    """The run's engine settings; with MoE routing replay every answer carries its routing record."""
+    engine = run.rollout.engine
+    if run.algo.routing_replay != "none":
+        engine = dataclasses.replace(engine, extra_args=[*engine.extra_args, "--enable-return-routed-experts"])
+    return engine
+
+
+class RemoteEngine:
+    """An engine on an `EngineHost` actor."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+
+    async def start(self) -> str:
+        return str(await self.actor.start.remote())
+
+    async def restart(self, kill: bool) -> str:
+        return str(await self.actor.restart.remote(kill=kill))
+
+    async def alive(self) -> bool:
+        return bool(await self.actor.alive.remote())
+
+    async def pid(self) -> int:
+        return int(await self.actor.pid.remote())
+
+    async def stop(self) -> None:
+        await self.actor.stop.remote()
+
+
+class LocalEngine:
+    """An engine whose server is the driver's child process (`local_engines`)."""
+
+    def __init__(self, server: SGLangServer) -> None:
+        self.server = server
+
+    async def start(self) -> str:
+        if self.server.process is None:  # not started by LocalLaunch
+            self.server.start()
+        await self.server.wait_ready()
+        return self.server.url
+
+    async def restart(self, kill: bool) -> str:
+        await self.server.restart(grace_s=0.0 if kill else 20.0)
+        return self.server.url
+
+    async def alive(self) -> bool:
+        return self.server.alive()
+
+    async def pid(self) -> int:
+        return self.server.pid or -1
+
+    async def stop(self) -> None:
+        await asyncio.to_thread(self.server.stop)
+
+
 class EngineGroup:
     """The run's engines: start, generate (balanced, with retries), weight sync, restarts, metrics."""
 
-    def __init__(self, run: RunConfig, policy: Path, run_dir: Path) -> None:
-        import dataclasses
-
+    def __init__(self, run: RunConfig, policy: Path, run_dir: Path, servers: list[SGLangServer] | None = None) -> None:
+        """`servers`: the run's local engines, started by `LocalLaunch`; otherwise one `EngineHost` actor each."""
         import ray
 
         self.run = run
-        engine = run.rollout.engine
+        engine = with_routing(run)
         self.routing: RoutingShape | None = None
-        if run.algo.routing_replay != "none":  # MoE routing replay: every answer carries its routing record
+        if run.algo.routing_replay != "none":
             moe = run.model.moe
             assert moe.num_experts is not None
             self.routing = RoutingShape(run.model.num_layers, moe.router_topk, moe.num_experts)
-            engine = dataclasses.replace(engine, extra_args=[*engine.extra_args, "--enable-return-routed-experts"])
-        self.placement = engine_placement(run)
-        self.hosts = spawn(EngineHost, self.placement)
-        config, logs = dataclasses.asdict(engine), run_dir / "logs"
-        ray.get(
-            [
-                h.setup.remote(str(policy), config, str(logs / f"engine{i}.log"), run.rollout.context_length)
-                for i, h in enumerate(self.hosts)
-            ]
-        )
-        if self.placement.groups:
-            print(f"placement: engines {describe(locations(self.hosts))}", flush=True)
+        self.placement: Placement | None = None
+        self.hosts: list[LocalEngine | RemoteEngine]
+        if servers is not None:
+            self.hosts = [LocalEngine(server) for server in servers]
+        else:
+            self.placement = engine_placement(run)
+            actors = spawn(EngineHost, self.placement)
+            config, logs = dataclasses.asdict(engine), run_dir / "logs"
+            ray.get(
+                [
+                    h.setup.remote(str(policy), config, str(logs / f"engine{i}.log"), run.rollout.context_length)
+                    for i, h in enumerate(actors)
+                ]
+            )
+            if self.placement.groups:
+                print(f"placement: engines {describe(locations(actors))}", flush=True)
+            self.hosts = [RemoteEngine(actor) for actor in actors]
         self.devices = engine.num_engines * engine.tp
         self.clients: list[SGLangClient] = []
         self.balancer: EngineBalancer | None = None
@@ -115,7 +221,7 @@ class EngineGroup:
         self._lock = asyncio.Lock()  # held by a restart (with its catch-up push) and by a push
 
     async def start(self) -> None:
-        urls = await asyncio.gather(*(host.start.remote() for host in self.hosts))
+        urls = await asyncio.gather(*(host.start() for host in self.hosts))
         self.clients = [SGLangClient(url, tp=self.run.rollout.engine.tp, routing=self.routing) for url in urls]
         self.balancer = EngineBalancer(self.clients, self.run.rollout.sampling, self.run.rollout.max_retries)
         self.balancer.on_failure = self._on_failure
@@ -140,10 +246,10 @@ class EngineGroup:
         The process, not `/health`, decides: SGLang answers `/health` with a one-token generation, which a
         busy or paused (mid-push) engine may not finish within the probe's timeout. Only a weight push, with
         its deadline on every step, calls an engine hung."""
-        if not hung and await self.hosts[index].alive.remote():
+        if not hung and await self.hosts[index].alive():
             return False  # a transient error, or another caller already restarted it
         print(f"engine {index} {'did not answer a weight push' if hung else 'died'}; restarting it", flush=True)
-        self.clients[index].url = await self.hosts[index].restart.remote(kill=hung)
+        self.clients[index].url = await self.hosts[index].restart(kill=hung)
         self.restarts += 1
         self.resync = True
         return True
@@ -200,8 +306,9 @@ class EngineGroup:
     async def stop(self) -> None:
         for client in self.clients:
             await client.close()
-        await asyncio.gather(*(host.stop.remote() for host in self.hosts), return_exceptions=True)
-        self.placement.remove()  # frees the GPUs (and ends the host actors)
+        await asyncio.gather(*(host.stop() for host in self.hosts), return_exceptions=True)
+        if self.placement is not None:
+            self.placement.remove()  # frees the GPUs (and ends the host actors)
 
 
 def _cause(exc: BaseException) -> str:

@@ -42,7 +42,7 @@ from megatron_rl.data.datasets import Splits, load_splits
 from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
 from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
-from megatron_rl.orchestration.engines import EngineGroup
+from megatron_rl.orchestration.engines import EngineGroup, LocalLaunch, local_engines
 from megatron_rl.orchestration.placement import check_cpu_slots, local_ray_cpus
 from megatron_rl.orchestration.reaper import Reaper
 from megatron_rl.rewards.workers import RewardWorkers
@@ -326,13 +326,17 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
     # Ray's local head takes seconds to start (its processes' imports): it starts while a worker thread reads
     # the data, finds the starting policy and loads its tokenizer. A start those checks refuse shuts Ray down.
-    prepared = _in_daemon_thread(prepare_inputs, run)
+    # CPU engines on this machine start from that thread too, once the inputs are checked (engines.LocalLaunch).
+    launch = LocalLaunch(run, run_dir) if local_engines(run) else None
+    prepared = _in_daemon_thread(prepare_inputs, run, launch)
     try:
         start_ray(run)
+        splits, downstream, policy, encoder, tokens = await prepared
     except BaseException:
         prepared.cancel()
+        if launch is not None:
+            launch.close()
         raise
-    splits, downstream, policy, encoder, tokens = await prepared
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(run, run_dir / "config.yaml")
     record_starting_model(run_dir, policy)
@@ -341,7 +345,12 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
     # models while the engines start, the two longest parts of start-up, side by side.
     trainers = TrainerGroup(run, dataclasses.asdict(run), wait=False)
-    engines = EngineGroup(run, policy, run_dir)
+    try:
+        engines = EngineGroup(run, policy, run_dir, servers=launch.servers if launch is not None else None)
+    except BaseException:
+        if launch is not None:
+            launch.close()
+        raise
     rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)  # their imports run meanwhile too
     try:
         await asyncio.gather(engines.start(), trainers.ready())
@@ -380,6 +389,8 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         )  # fmt: skip
     except BaseException:
         rewards.close()
+        if launch is not None:
+            launch.close()
         raise
 
 
@@ -409,10 +420,12 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]
     return future
 
 
-def prepare_inputs(run: RunConfig) -> tuple[Splits, dict[str, BenchmarkSet], Path, PromptEncoder, InterruptionTokens]:
+def prepare_inputs(
+    run: RunConfig, launch: LocalLaunch | None = None
+) -> tuple[Splits, dict[str, BenchmarkSet], Path, PromptEncoder, InterruptionTokens]:
     """What the run reads before anything starts, each source checked: the data, the downstream benchmarks,
     the sandbox (code tasks), the starting policy (warm-started on first use) and its tokenizer with the
-    budgets it implies."""
+    budgets it implies; then `launch` starts the local engines' servers from that policy."""
     splits = load_splits(run.data)
     _report_data(splits)
     downstream = load_downstream(run)
@@ -433,6 +446,8 @@ def prepare_inputs(run: RunConfig) -> tuple[Splits, dict[str, BenchmarkSet], Pat
     tokens = interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
     run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
+    if launch is not None:
+        launch.start(policy)
     return splits, downstream, policy, encoder, tokens
 
 

@@ -33,7 +33,7 @@ import torch
 
 from megatron_rl.config import load_config
 from megatron_rl.metrics import read_metrics
-from megatron_rl.orchestration.engines import EngineGroup
+from megatron_rl.orchestration.engines import EngineGroup, LocalEngine
 
 pytestmark = pytest.mark.slow
 
@@ -74,9 +74,9 @@ class Faults:
         """Seconds from stopping the engine to the end of the push that restarted it."""
 
     def kill(self, group: EngineGroup, what: str, sig: int = signal.SIGKILL) -> None:
-        import ray
-
-        pid = ray.get(group.hosts[0].pid.remote())
+        host = group.hosts[0]
+        assert isinstance(host, LocalEngine)  # a CPU run on one machine: the server is the driver's child
+        pid = host.server.pid
         assert pid > 0 and os.getpgid(pid) == pid  # the server leads its own process group
         os.killpg(pid, sig)  # HTTP server, scheduler and detokenizer together
         self.fired.append(what)
@@ -85,11 +85,11 @@ class Faults:
         init, generate = EngineGroup.__init__, EngineGroup.generate
         push, stop = EngineGroup.push_weights, EngineGroup.stop
 
-        def recording_init(group: EngineGroup, run: Any, policy: Path, run_dir: Path) -> None:
+        def recording_init(group: EngineGroup, run: Any, policy: Path, run_dir: Path, servers: Any = None) -> None:
             from safetensors.torch import load_file
 
             self.initial = load_file(str(policy / "model.safetensors"))
-            init(group, run, policy, run_dir)
+            init(group, run, policy, run_dir, servers)
 
         async def faulty_generate(group: EngineGroup, input_ids: list[int], max_new: int, stop_ids: list[int]) -> Any:
             if self.armed:
