@@ -134,16 +134,16 @@ def test_ppo_off_policy_run(tmp_path):
 
 
 def test_an_moe_policy_learns_through_the_loop_at_ep2_with_routing_replay(tmp_path):
-    """20 steps of the default CPU recipe (16 x 8 batches, 256 x 4 validation) on the tiny Qwen3-MoE at EP 2 with
+    """40 steps of the default CPU recipe (16 x 8 batches, 256 x 4 validation) on the tiny Qwen3-MoE at EP 2 with
     SGLang serving it and rollout routing replay: validation rises, and the routing agreement is logged."""
     import yaml
 
-    extra = ["total_steps=20", "algo.routing_replay=rollout", "logging.wandb=offline", "checkpoint.every_steps=20"]
+    extra = ["total_steps=40", "algo.routing_replay=rollout", "logging.wandb=offline", "checkpoint.every_steps=40"]
     rows = _train(tmp_path, "moe", extra, model="tiny_moe", small=False)
     parallel = yaml.safe_load((tmp_path / "moe" / "config.yaml").read_text())["parallel"]
     assert (parallel["ep"], parallel["trainer_devices"]) == (2, 2)
     steps = [r for r in rows if "train/loss" in r]
-    assert [r["step"] for r in steps] == list(range(1, 21))
+    assert [r["step"] for r in steps] == list(range(1, 41))
     assert all(r["train/skipped_steps"] == 0 and r["sync/bytes"] > 0 for r in steps)  # pushed from EP 2 each step
     # SGLang's MoE and the trainer's route the same fp32 model: the first, on-policy step agrees
     assert steps[0]["train/mismatch"] < 1e-3
@@ -152,8 +152,12 @@ def test_an_moe_policy_learns_through_the_loop_at_ep2_with_routing_replay(tmp_pa
     assert steps[0]["train/routing_agreement"] > 0.99
     assert all(0.5 < r["train/routing_agreement_min"] <= 1 and "train/routing_agreement/layer01" in r for r in steps)
     val = [(r["step"], r["val/pass_rate"]) for r in rows if "val/pass_rate" in r]
-    assert [step for step, _ in val][0] == 1 and val[-1][0] == 20
-    assert val[-1][1] > val[0][1] + 0.02, val  # measured: 0.308 -> 0.334 -> 0.373 (1,024 samples each)
+    assert [step for step, _ in val][0] == 1 and val[-1][0] == 40
+    # The rise varies from run to run (generation and training interleave differently) on top of the validation's
+    # own noise (one policy's pass rate spreads 0.28-0.32). Measured from ~0.30: after 20 steps +0.015 to +0.065
+    # over 10 runs, too close to that noise for a check; after 40 steps +0.068 to +0.107 over 4 runs, and with a
+    # learning rate of 1e-9 (a policy that does not learn) +0.015 and -0.005.
+    assert val[-1][1] > val[0][1] + 0.03, val
 
 
 @pytest.mark.parametrize(
