@@ -88,28 +88,32 @@ class Placement:
         self.groups = []
 
 
-def cpu_processes(run: RunConfig) -> int:
-    """Ray actors of a run that each take one CPU slot (`{"num_cpus": 1}`): trainer ranks on cores and CPU engines."""
+def cpu_processes(run: RunConfig, local_engines: bool = False) -> int:
+    """Ray actors of a run that each take one CPU slot (`{"num_cpus": 1}`): trainer ranks on cores, and CPU engines
+    unless they are the driver's own processes (`local_engines`: a run on one machine, orchestration/engines.py)."""
     trainers = run.parallel.trainer_devices if run.compute.device_kind != "gpu" else 0
-    engines = run.rollout.engine.num_engines if run.rollout.engine.device != "cuda" else 0
+    engines = run.rollout.engine.num_engines if run.rollout.engine.device != "cuda" and not local_engines else 0
     return trainers + engines
 
 
 def local_ray_cpus(run: RunConfig, cores: int) -> int:
-    """CPU slots for a run's local Ray instance: the machine's cores, or more when the run has more processes than
-    cores (an EP 2 tiny MoE with its engine is three on a two-core laptop). Ray's CPU count only admits actors; the
-    processes then share the cores. Fewer slots than actors would leave the last ones pending forever."""
-    return max(cores, cpu_processes(run))
+    """CPU slots for a run's local Ray instance (its CPU engines are the driver's own processes there). A CPU run
+    gets one per trainer rank, whatever the cores: Ray's CPU count only admits actors (the processes then share the
+    cores; fewer slots than actors would leave the last ones pending forever), and Ray starts an idle worker
+    process for every slot no actor takes (~50 MB and ~0.6 s of CPU each). A GPU run gets the machine's cores
+    (each GPU bundle takes a CPU too)."""
+    return cpu_processes(run, local_engines=True) or cores
 
 
-def check_cpu_slots(run: RunConfig, slots: float) -> None:
-    """Refuse a CPU run whose Ray cluster has fewer CPU slots than its processes (an external cluster): the actors
+def check_cpu_slots(run: RunConfig, slots: float, local_engines: bool = False) -> None:
+    """Refuse a CPU run whose Ray cluster has fewer CPU slots than its actors (an external cluster): the actors
     past the last slot would wait forever, silently."""
-    needed = cpu_processes(run)
+    needed = cpu_processes(run, local_engines)
     if slots < needed:
+        engines = 0 if local_engines else run.rollout.engine.num_engines
         raise ConfigError(
             f"parallel.trainer_devices / rollout.engine.num_engines: this CPU run starts {needed} processes "
-            f"({run.parallel.trainer_devices} trainer ranks + {run.rollout.engine.num_engines} engine(s)), each taking "
+            f"({run.parallel.trainer_devices} trainer ranks + {engines} engine(s)), each taking "
             f"one Ray CPU, and the Ray cluster has {slots:g}; start it with more (ray start --num-cpus={needed})"
         )
 

@@ -43,7 +43,7 @@ from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
 from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
 from megatron_rl.orchestration.engines import EngineGroup, LocalLaunch, local_engines
-from megatron_rl.orchestration.placement import check_cpu_slots, local_ray_cpus
+from megatron_rl.orchestration.placement import check_cpu_slots, cpu_processes, local_ray_cpus
 from megatron_rl.orchestration.reaper import Reaper
 from megatron_rl.rewards.workers import RewardWorkers
 from megatron_rl.rollout.evaluation import (
@@ -318,15 +318,16 @@ def record_downstream(
 async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     """Everything before the first step: data, the starting policy, Ray, trainer ranks and engines, the
     weight-sync group, the checkpoint resumed from, the pipeline and the logger. Whatever can refuse the start
-    (output directory, data, sandbox, starting model, budgets) is checked before anything is written into the
-    run directory, so a refused start leaves a run's config, metrics and checkpoints as they were."""
+    (output directory, data, sandbox, starting model, budgets) is checked before the run's config, metrics or
+    checkpoints are written, so a refused start leaves them as they were."""
     run_dir = Path(run.output_dir) / run.name
     _check_writable(run_dir)
     # The checkpoint to resume from, verified against its manifest before anything starts.
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
     # Ray's local head takes seconds to start (its processes' imports): it starts while a worker thread reads
     # the data, finds the starting policy and loads its tokenizer. A start those checks refuse shuts Ray down.
-    # CPU engines on this machine start from that thread too, once the inputs are checked (engines.LocalLaunch).
+    # CPU engines on this machine start from that thread too, as soon as the starting policy is checked
+    # (engines.LocalLaunch); a start refused after that stops them (their log stays in the run's logs/).
     launch = LocalLaunch(run, run_dir) if local_engines(run) else None
     prepared = _in_daemon_thread(prepare_inputs, run, launch)
     try:
@@ -340,7 +341,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(run, run_dir / "config.yaml")
     record_starting_model(run_dir, policy)
-    check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0))
+    check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0), local_engines=launch is not None)
     stop.install()  # over Ray's handler
     # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
     # models while the engines start, the two longest parts of start-up, side by side.
@@ -438,6 +439,8 @@ def prepare_inputs(
     policy = prepare_policy(run, splits)
     run.check_context(policy)  # the engines would refuse a context beyond the checkpoint's positions
     run.check_engine_attention()  # ... and serve chunked attention wrongly on CPU
+    if launch is not None:  # the engines' imports are the start-up's longest chain: start them first
+        launch.start(policy)
     from megatron_rl.data.tokenizer import load_tokenizer  # transformers, without torch: while Ray starts
     from megatron_rl.rollout.pipeline import PromptEncoder
 
@@ -446,8 +449,6 @@ def prepare_inputs(
     tokens = interruption_tokens(run, tokenizer)
     run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
     run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
-    if launch is not None:
-        launch.start(policy)
     return splits, downstream, policy, encoder, tokens
 
 
@@ -461,9 +462,9 @@ def start_ray(run: RunConfig) -> None:
         ray.init(address="auto", include_dashboard=False)
     else:
         cores = os.cpu_count() or 1
-        slots = local_ray_cpus(run, cores)
-        if slots > cores:
-            print(f"ray: {slots} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
+        slots, processes = local_ray_cpus(run, cores), cpu_processes(run)
+        if processes > cores:
+            print(f"ray: {processes} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
         with _without_autoscaler():
             ray.init(address="local", include_dashboard=False, num_cpus=slots)
 

@@ -111,13 +111,20 @@ def test_the_slurm_bootstrap_passes_model_path_as_the_checkpoint():
         assert "MODEL_PATH=/ckpt/" in (ROOT / "slurm" / script).read_text()
 
 
-def test_a_cpu_run_with_more_processes_than_cores_gets_a_ray_slot_for_each_or_is_refused():
+def test_a_cpu_run_gets_a_ray_slot_for_each_actor_or_is_refused():
     from megatron_rl.orchestration.placement import check_cpu_slots, cpu_processes, local_ray_cpus
 
     moe = load_config("scalerl-cpu", "tiny_moe")  # EP 2: two trainer ranks and one engine
     assert cpu_processes(moe) == 3
-    assert local_ray_cpus(moe, cores=2) == 3 and local_ray_cpus(moe, cores=16) == 16
+    # a local Ray: the engine is the driver's own process, so one slot per trainer rank, never an idle one more
+    assert cpu_processes(moe, local_engines=True) == 2
+    assert local_ray_cpus(moe, cores=2) == 2 and local_ray_cpus(moe, cores=16) == 2
+    assert local_ray_cpus(load_config("scalerl-cpu"), cores=2) == 1
     check_cpu_slots(moe, 3.0)
+    check_cpu_slots(moe, 2.0, local_engines=True)
     with pytest.raises(ConfigError, match=r"starts 3 processes \(2 trainer ranks \+ 1 engine\(s\)\).*has 2"):
         check_cpu_slots(moe, 2.0)  # an external Ray cluster that is too small: refused, not a silent wait
+    with pytest.raises(ConfigError, match=r"starts 2 processes \(2 trainer ranks \+ 0 engine\(s\)\).*has 1"):
+        check_cpu_slots(moe, 1.0, local_engines=True)
     assert cpu_processes(load_config("scalerl", "qwen3_4b")) == 0  # GPU runs take GPU bundles
+    assert local_ray_cpus(load_config("scalerl", "qwen3_4b"), cores=16) == 16
