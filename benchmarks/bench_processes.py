@@ -4,7 +4,7 @@
 
 Runs `megatron-rl train --recipe scalerl-cpu` (as shipped unless overridden; the warm-up should be cached, run the
 command once before) and samples every process of the run (the launched driver and all its descendants: Ray's
-head, the trainer and engine actors, SGLang's server and its children, the reward workers) every `--sample-s`.
+head, the trainer actors, SGLang's server and its children, the reward workers) every `--sample-s`.
 Prints one row per role (processes of one kind summed):
 
 - born: seconds from launch to the role's first process start;
