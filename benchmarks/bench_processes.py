@@ -162,7 +162,8 @@ def main() -> None:
     cli = Path(sys.executable).with_name("megatron-rl")
     overrides = [f"output_dir={args.output_dir}", "name=run", f"total_steps={args.steps}", *args.overrides]
     command = [str(cli), "train", "--recipe", args.recipe, *overrides]
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    # The command as the README gives it: no OMP_NUM_THREADS (each process of the run sets its own threads).
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "WANDB_MODE": "offline"}
     run = sample_run(command, env, args.output_dir / "run.log", args.sample_s)
     start = loop_start(run["lines"], args.output_dir / "run" / "metrics.jsonl")
     rows = table(run, start)

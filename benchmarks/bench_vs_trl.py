@@ -108,7 +108,8 @@ def run_stack(index: int, args: argparse.Namespace, policy: Path) -> dict[str, A
         f"total_steps={args.steps}",
     ]
     command = [str(cli), "train", "--recipe", RECIPE, *overrides, "checkpoint.resume=never", *args.overrides]
-    env = {**os.environ, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+    # The command as the README gives it: no OMP_NUM_THREADS (each process of the run sets its own threads).
+    env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "WANDB_MODE": "offline"}
     run = measure(command, env, args.output_dir / f"{name}.log", args.sample_s)
     metrics = args.output_dir / name / "metrics.jsonl"
     summary = summarize(metrics)

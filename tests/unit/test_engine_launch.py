@@ -162,3 +162,14 @@ def test_a_cpu_engine_sleeps_when_idle(tmp_path):
     server = SGLangServer(tmp_path / "ckpt", run.rollout.engine, tmp_path / "engine.log", context_length=176)
     args = _sglang_args(server.command())
     assert args.sleep_on_idle and args.device == "cpu" and args.attention_backend == "torch_native"
+
+
+def test_a_cpu_engine_takes_one_torch_thread_unless_told(tmp_path, monkeypatch):
+    """A CPU engine started from the driver (a one-machine run) gets what a Ray actor with one CPU gets: one torch
+    thread, not one per core, which made its threads and the trainer's compete for the cores."""
+    run = load_config("scalerl-cpu")
+    server = SGLangServer(tmp_path / "ckpt", run.rollout.engine, tmp_path / "engine.log")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert server.env()["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert server.env()["OMP_NUM_THREADS"] == "3"
