@@ -504,8 +504,17 @@ class InterruptionConfig:
     phrase: str = "Okay, time is up. Let me stop thinking and formulate a final answer now. </think>"
     """Injected when thinking reaches its budget without `</think>`; masked out of the loss."""
     end_of_thinking: str = "</think>"
+    lookahead_tokens: int = 0
+    """(ours) Tokens past the thinking budget the first request may generate (at most `answer_tokens` of them
+    count), so that a model closing its thinking near the budget answers in the same request instead of a
+    second one. The tokens past the budget of a completion that did not close are dropped: worth it where
+    interruptions are rare and requests dear relative to tokens (the CPU recipe), not where an interrupted
+    completion would throw away up to `answer_tokens` (2,048 at ScaleRL's budgets). 0: the first request stops
+    at the budget."""
 
     def __post_init__(self) -> None:
+        if self.lookahead_tokens < 0:
+            _fail("lookahead_tokens", f"must be >= 0, got {self.lookahead_tokens}")
         if not 0 < self.min_thinking_tokens <= self.max_thinking_tokens:
             _fail(
                 "min_thinking_tokens",

@@ -7,11 +7,15 @@ One completion is generated in up to two phases:
 2. answer: up to `answer_tokens` more, after either the model's own `</think>` or, when the budget ran
    out first, the injected phrase "Okay, time is up. ... </think>".
 
-The engine is asked for the thinking budget without stopping at `</think>`: a model that closes its
-thinking early goes on into its answer in the same request, and the answer is then cut to
-`answer_tokens` (or continued in a second request when the budget ended first). Sampling is
-autoregressive, so this draws exactly the completions the two phases would, with one request instead of
-two for most completions (each request costs the engine's HTTP server and scheduler CPU of its own).
+The engine is asked for the thinking budget plus `interruption.lookahead_tokens` (0 by default), stopping only
+at EOS, not at `</think>`: a model that closes its thinking early goes on into its answer in the same request,
+cut to `answer_tokens` after its close (or continued in a second request when the first ended before). One that
+does not close within the budget is cut at the budget (tokens past it dropped) and answers after the phrase in
+a second request. Sampling is autoregressive, so this draws exactly the completions the two phases would,
+with fewer requests (each costs the engine's HTTP server and scheduler CPU, and a second one waits for the
+first and prefills its context again when a weight push flushed the cache in between). On the default CPU
+run (`lookahead_tokens` 16, its whole answer budget): 131 requests per 128 completions instead of 177, and
+6.3-6.4 engine seconds per 1,000 completions instead of 6.7-7.6.
 
 Injected tokens are part of the sequence the model conditions on but are masked out of the loss
 (`loss_mask` False, generator log-prob 0). A completion whose answer phase hits its budget is truncated
@@ -102,33 +106,29 @@ async def generate_completion(
         out.finish_reason = segment.finish
         return out
 
-    out.thinking_budget = rng.randint(control.min_thinking_tokens, control.max_thinking_tokens)
-    first = await generate(prompt_ids, out.thinking_budget, [ids.eos])
-    if first.finish == "abort":
-        out.extend(first)
-        out.finish_reason = "abort"
-        return out
-    if ids.end_of_thinking in first.tokens:  # the model closed its thinking; what follows is its answer
-        close = first.tokens.index(ids.end_of_thinking) + 1
-        answered = len(first.tokens) - close
-        if first.finish == "stop" and answered <= cfg.answer_tokens:  # it answered and stopped in budget
-            out.extend(first)
-            out.finish_reason = "stop"
-            return out
-        if answered >= cfg.answer_tokens:  # the answer budget ran out inside this request: cut there
-            out.extend(_head(first, close + cfg.answer_tokens, "length"))
+    budget = out.thinking_budget = rng.randint(control.min_thinking_tokens, control.max_thinking_tokens)
+    first = await generate(prompt_ids, budget + min(control.lookahead_tokens, cfg.answer_tokens), [ids.eos])
+    thinking = first.tokens[:budget]
+    if ids.end_of_thinking in thinking:  # the model closed its thinking in budget; what follows is its answer
+        end = thinking.index(ids.end_of_thinking) + 1 + cfg.answer_tokens
+        if len(first.tokens) > end or len(first.tokens) == end and first.finish == "length":
+            out.extend(_head(first, end, "length"))  # the answer budget ran out inside this request: cut there
             out.finish_reason = "length"
             return out
-        out.extend(first)  # the thinking budget ended first: the answer goes on in a second request
-        answer = await generate(prompt_ids + out.tokens, cfg.answer_tokens - answered, [ids.eos])
-        out.extend(answer)
+        out.extend(first)
+        if first.finish != "length":  # it answered and stopped in budget (or was aborted)
+            out.finish_reason = first.finish
+            return out
+        answer = await generate(prompt_ids + out.tokens, end - len(first.tokens), [ids.eos])  # the request ended
+        out.extend(answer)  # first: the answer goes on in a second request
         out.finish_reason = answer.finish
         return out
-    out.extend(first)
-    if first.finish == "stop":
-        out.finish_reason = "stop"  # EOS inside the thinking budget: the model answered without closing
+    if len(first.tokens) <= budget and first.finish != "length":  # EOS (or an abort) in budget, without a close
+        out.extend(first)
+        out.finish_reason = first.finish
         return out
-    out.inject(ids.phrase, current_version())  # the budget ran out while thinking: interrupt
+    out.extend(_head(first, budget, "length"))  # the budget ran out while thinking (what came after is dropped):
+    out.inject(ids.phrase, current_version())  # interrupt
     answer = await generate(prompt_ids + out.tokens, cfg.answer_tokens, [ids.eos])
     out.extend(answer)
     out.finish_reason = "interrupted" if answer.finish == "stop" else answer.finish

@@ -37,9 +37,11 @@ def scripted(script, version=7):
     return generate, calls
 
 
-def _cfg(enabled=True, lo=5, hi=5, answer=3):
+def _cfg(enabled=True, lo=5, hi=5, answer=3, lookahead=0):
     return RolloutConfig(
-        interruption=InterruptionConfig(enabled=enabled, min_thinking_tokens=lo, max_thinking_tokens=hi),
+        interruption=InterruptionConfig(
+            enabled=enabled, min_thinking_tokens=lo, max_thinking_tokens=hi, lookahead_tokens=lookahead
+        ),
         answer_tokens=answer,
     )
 
@@ -58,6 +60,13 @@ def test_model_closes_thinking_within_budget():
     assert calls == [(3, 5, (EOS,)), (3 + 5, 2, (EOS,))]
 
 
+@pytest.mark.parametrize("lookahead, calls_made", [(1, [(3, 6, (EOS,)), (3 + 6, 1, (EOS,))]), (3, [(3, 8, (EOS,))])])
+def test_a_lookahead_past_the_thinking_budget_answers_in_the_first_request(lookahead, calls_made):
+    out, calls = run([3, 10, 11, THINK_END, 20, 21, EOS], _cfg(lookahead=lookahead))
+    assert out.tokens == [3, 10, 11, THINK_END, 20, 21, EOS] and out.finish_reason == "stop"
+    assert calls == calls_made
+
+
 def test_a_closed_thinking_and_its_answer_in_one_request():
     out, calls = run([3, THINK_END, 20, EOS], _cfg())
     assert out.tokens == [3, THINK_END, 20, EOS] and out.finish_reason == "stop" and len(calls) == 1
@@ -71,13 +80,14 @@ def test_an_answer_past_its_budget_inside_the_thinking_request_is_cut_and_trunca
     assert out.tokens == [3, THINK_END, 20, 21] and out.finish_reason == "length" and len(calls) == 1
 
 
+@pytest.mark.parametrize("lookahead", [0, 1, 3, 10])
 @pytest.mark.parametrize("seed", range(20))
-def test_one_request_draws_what_the_two_phases_drew(seed):
+def test_one_request_draws_what_the_two_phases_drew(seed, lookahead):
     """Against the two-phase procedure (thinking stopped at </think>, then the answer budget), on random scripts:
     the same tokens, mask and finish reason."""
     rng = random.Random(seed)
     script = [rng.choice([3, 10, 11, THINK_END, EOS]) for _ in range(30)]
-    cfg = _cfg(lo=4, hi=9, answer=3)
+    cfg = _cfg(lo=4, hi=9, answer=3, lookahead=lookahead)
     out, _ = run(script, cfg)
 
     async def two_phases():
@@ -114,6 +124,21 @@ def test_interrupted_answer_that_stops_is_interrupted_and_one_that_runs_out_is_t
     assert out.finish_reason == "interrupted" and out.tokens[-1] == EOS
     out, _ = run(generate_stop_script + [0, 0, 0, 30, 31, 32, 33], _cfg(answer=3))
     assert out.finish_reason == "length" and len(out.tokens) == 5 + 3 + 3
+
+
+def test_an_abort_inside_the_thinking_budget_ends_the_completion_as_aborted():
+    async def aborting(input_ids, max_new_tokens, stop_ids):
+        return Segment([3, 10], [-0.5, -0.5], [7, 7], "abort")
+
+    out = asyncio.run(generate_completion(aborting, [1, 1, 1], _cfg(lookahead=3), IDS, random.Random(0), lambda: 9))
+    assert out.tokens == [3, 10] and out.finish_reason == "abort"
+
+
+def test_a_close_past_the_thinking_budget_is_dropped_and_the_completion_interrupted():
+    # the first request closes past the budget of 5; the phrase then covers THINK_END, 20, EOS
+    out, calls = run([3, 10, 11, 12, 13, THINK_END, 20, EOS, 30, EOS], _cfg(lookahead=3))
+    assert out.tokens == [3, 10, 11, 12, 13, *IDS.phrase, 30, EOS] and out.finish_reason == "interrupted"
+    assert len(calls) == 2
 
 
 def test_eos_inside_thinking_ends_the_completion():
