@@ -119,16 +119,18 @@ async def generate_completion(
         if first.finish != "length":  # it answered and stopped in budget (or was aborted)
             out.finish_reason = first.finish
             return out
-        answer = await generate(prompt_ids + out.tokens, end - len(first.tokens), [ids.eos])  # the request ended
-        out.extend(answer)  # first: the answer goes on in a second request
+        # the request ended before the answer did: the answer goes on in a second request
+        answer = await generate(prompt_ids + out.tokens, end - len(first.tokens), [ids.eos])
+        out.extend(answer)
         out.finish_reason = answer.finish
         return out
     if len(first.tokens) <= budget and first.finish != "length":  # EOS (or an abort) in budget, without a close
         out.extend(first)
         out.finish_reason = first.finish
         return out
-    out.extend(_head(first, budget, "length"))  # the budget ran out while thinking (what came after is dropped):
-    out.inject(ids.phrase, current_version())  # interrupt
+    # the budget ran out while thinking: cut there (what came after is dropped) and interrupt
+    out.extend(_head(first, budget, "length"))
+    out.inject(ids.phrase, current_version())
     answer = await generate(prompt_ids + out.tokens, cfg.answer_tokens, [ids.eos])
     out.extend(answer)
     out.finish_reason = "interrupted" if answer.finish == "stop" else answer.finish
