@@ -385,3 +385,6 @@ def test_killed_server_raises_typed_error_and_restart_recovers(server):
     server.stop()
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)  # nothing of the server is left
+    # A stop is not a crash: SGLang's crash diagnostics (5 s of sleep before a py-spy and CUDA dump) stay off on CPU.
+    stopped = server.log_path.read_text().rsplit("SIGTERM received", 1)[-1]
+    assert "crash diagnostics" not in stopped and "kill_process_tree" in stopped

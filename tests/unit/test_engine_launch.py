@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 
 import pytest
 
@@ -173,3 +174,18 @@ def test_a_cpu_engine_takes_one_torch_thread_unless_told(tmp_path, monkeypatch):
     assert server.env()["OMP_NUM_THREADS"] == "1"
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert server.env()["OMP_NUM_THREADS"] == "3"
+
+
+def test_a_cpu_engine_stops_without_crash_diagnostics_unless_asked(tmp_path, monkeypatch):
+    """stop()'s SIGTERM ends the scheduler, which SGLang's server reads as a crash: its diagnostics sleep 5 s for
+    a GPU to settle before dumping it. A CPU engine runs without them (a user's setting still wins); a GPU
+    engine keeps SGLang's defaults."""
+    for name in ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH"):
+        monkeypatch.delenv(name, raising=False)
+    run = load_config("scalerl-cpu")
+    cpu = SGLangServer(tmp_path / "ckpt", run.rollout.engine, tmp_path / "engine.log")
+    assert cpu.env()["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == cpu.env()["SGLANG_CUDA_COREDUMP_BEFORE_CRASH"] == "0"
+    monkeypatch.setenv("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "1")
+    assert cpu.env()["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
+    gpu = SGLangServer(tmp_path / "ckpt", dataclasses.replace(run.rollout.engine, device="cuda"), tmp_path / "g.log")
+    assert "SGLANG_CUDA_COREDUMP_BEFORE_CRASH" not in gpu.env()
