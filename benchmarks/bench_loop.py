@@ -152,14 +152,14 @@ def summarize(metrics_path: Path) -> dict[str, Any]:
     n_engines = int(config["rollout"]["engine"]["num_engines"])
     busy = last["rollout/generator_busy_s"] - first["rollout/generator_busy_s"]
     step_times = [r["time/step_s"] for r in train_rows]
-    no_eval = [r["time/step_s"] for r in train_rows if r.get("val/pass_rate") is None]
+    # a validation's time lies in its row and, when the trainer took the next step while the engines validated, in
+    # the next row too: neither counts as a step without one
+    validated = {r["step"] for r in train_rows if r.get("val/pass_rate") is not None}
+    plain = [r for r in train_rows if r["step"] not in validated and r["step"] - 1 not in validated]
+    no_eval = [r["time/step_s"] for r in plain]
     # tokens the engine generated for training (validation's are not in the rows); per completion: its length
     group = int(config["rollout"]["generations_per_prompt"])
-    generated = [
-        r["train/sampled_groups"] * group * r["train/response_length"]
-        for r in train_rows
-        if r.get("val/pass_rate") is None
-    ]
+    generated = [r["train/sampled_groups"] * group * r["train/response_length"] for r in plain]
     staleness = [r["train/staleness_mean"] for r in train_rows]
     return {
         "steps": last["step"],

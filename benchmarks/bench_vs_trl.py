@@ -19,8 +19,9 @@ What each run reports, measured the same way for both:
   every `--sample-s`), as resident set size (RSS: shared library pages counted in every process) and as
   proportional set size (PSS: each shared page split between the processes sharing it, so the sum is the
   physical memory the run holds, what a laptop's memory monitor shows);
-- for the stack, validation seconds per 1,000 completions (a validation step's time over the median step
-  without one) beside the training generation's (the engine's busy seconds per 1,000 training completions).
+- for the stack, validation seconds per 1,000 completions (the time of a validation's step and of the next one,
+  which the trainer may take while the engines validate, over two median steps without one) beside the training
+  generation's (the engine's busy seconds per 1,000 training completions).
 
 Prints one table row per run and the medians per system; `--json` keeps everything.
 """
@@ -119,11 +120,26 @@ def run_stack(index: int, args: argparse.Namespace, policy: Path) -> dict[str, A
     first_row = next(r for r in rows if r.get("step") == 1 and "time/step_s" in r)
     loop_started = first_line - first_row["device_hours"] * 3600.0 / devices
     steps = [r for r in rows if "time/step_s" in r]
-    plain = [r for r in steps if r.get("val/pass_rate") is None and not any(k.startswith("downstream/") for k in r)]
-    with_val = [r for r in steps if r.get("val/pass_rate") is not None and r["step"] > 1]
+    by_step = {r["step"]: r for r in steps}
+
+    def evaluated(row: dict[str, Any] | None) -> bool:
+        if row is None:
+            return False
+        return row.get("val/pass_rate") is not None or any(k.startswith("downstream/") for k in row)
+
+    # A validation's cost spreads over its row and the next (the trainer may take that step while the engines
+    # validate): both over two median steps without one.
+    plain = [r for r in steps if not evaluated(r) and not evaluated(by_step.get(r["step"] - 1))]
     median = statistics.median(r["time/step_s"] for r in plain)
     val_completions = args.val_prompts * args.val_samples
-    val_s = [r["time/step_s"] - median for r in with_val if not any(k.startswith("downstream/") for k in r)]
+    val_s = [
+        r["time/step_s"] + by_step[r["step"] + 1]["time/step_s"] - 2 * median
+        for r in steps
+        if r["step"] > 1
+        and r.get("val/pass_rate") is not None
+        and not any(k.startswith("downstream/") for k in r)
+        and r["step"] + 1 in by_step
+    ]
     group = args.generations_per_prompt
     busy, completions = 0.0, 0.0
     for before, after in zip(steps, steps[1:], strict=False):

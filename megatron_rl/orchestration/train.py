@@ -7,7 +7,8 @@ The loop (docs/recipe.md §4, docs/run_flow.md) reads as the algorithm:
                                                  (on the engines while the trainer takes the step below)
     groups  <- pipeline.next_batch(version)      G completions per prompt, rewarded, filtered, <= k stale
     metrics <- trainers.train_step(groups)       one optimizer step on all trainer ranks; version += 1
-    push weights when the pipeline says so       in flight (pipeline) or after k steps (ppo_off_policy)
+    push weights when the pipeline says so       in flight (pipeline) or after k steps (ppo_off_policy); in
+                                                 pipeline mode a push may wait one step for running evaluations
     log one row (metrics JSONL + wandb + console), checkpoint every N steps and on SIGTERM/SIGUSR1
 
 `setup` builds the run's parts (data, starting policy, Ray, trainer ranks, engines, weight-sync group,
@@ -246,16 +247,18 @@ async def _train(run: RunConfig) -> Path:
 async def _loop(p: Parts) -> int:
     """The training loop (module docstring); returns the last step."""
     run, step, validated, empty_batches, empty_streak = p.run, p.step, -1, 0, 0
+    evaluations: asyncio.Future[dict[str, Any]] | None = None
+    held: list[tuple[int, dict[str, Any]]] = []
+    """Rows of finished steps waiting for the evaluations to end (logged in order, the first with their results)."""
     p.engines.reset_usage()  # the generators' idle share over the loop, not the start-up
     p.pipeline.start()
-    while step < run.total_steps and not p.stop:
-        started = time.perf_counter()
-        row: dict[str, Any] = {}
-        evaluations = None
-        if validated != step:  # the policy of `step`, evaluated while the trainer takes its step
-            evaluations = asyncio.ensure_future(_evaluations(p, step, final=False))
-            validated = step
-        try:
+    try:
+        while step < run.total_steps and not p.stop:
+            started = time.perf_counter()
+            row: dict[str, Any] = {}
+            if validated != step and _due(p, step, final=False):  # the policy of `step`, while the trainer steps
+                evaluations = asyncio.ensure_future(_evaluations(p, step, final=False))
+                validated = step
             groups, stats = await p.pipeline.next_batch(step)
             row.update(stats.as_metrics())
             if groups:
@@ -263,28 +266,73 @@ async def _loop(p: Parts) -> int:
                 empty_streak = 0
             else:  # every group was zero-variance: no optimizer step this round (logged, counted)
                 empty_batches, empty_streak = empty_batches + 1, empty_streak + 1
-            if evaluations is not None:  # finished before the engines get the new weights
-                row.update(await evaluations)
-        except BaseException:
-            if evaluations is not None and not evaluations.done():
-                evaluations.cancel()
-                await asyncio.gather(evaluations, return_exceptions=True)
-            raise
-        row["train/empty_batches"] = float(empty_batches)
-        if run.algo.max_empty_batches and empty_streak >= run.algo.max_empty_batches:
+            row["train/empty_batches"] = float(empty_batches)
+            if run.algo.max_empty_batches and empty_streak >= run.algo.max_empty_batches:
+                await _log_held(p, evaluations, held, row)
+                p.log(step, row)
+                raise EmptyBatches(step, empty_streak, stats.as_metrics())
+            step = await p.trainers.call("version")
+            if evaluations is not None and not held and _may_defer(p, evaluations, step):
+                # The engines keep the evaluated policy one step longer: the trainer takes its next step on
+                # groups already buffered instead of waiting, and no group starts until the push, so none is
+                # trained on more than k versions after it started.
+                row.update({"time/step_s": time.perf_counter() - started, "train/regenerated_groups": p.regenerated})
+                p.pipeline.hold()
+                held.append((step, row))
+                continue
+            await _log_held(p, evaluations, held, row)
+            evaluations, held = None, []
+            if p.pipeline.push_due(step):
+                row.update(await p.engines.push_weights(p.trainers, step))
+                p.pipeline.pushed(step)
+            row.update({"time/step_s": time.perf_counter() - started, "train/regenerated_groups": p.regenerated})
             p.log(step, row)
-            raise EmptyBatches(step, empty_streak, stats.as_metrics())
-        step = await p.trainers.call("version")
-        if p.pipeline.push_due(step):
-            row.update(await p.engines.push_weights(p.trainers, step))
-            p.pipeline.pushed(step)
-        row.update({"time/step_s": time.perf_counter() - started, "train/regenerated_groups": p.regenerated})
-        p.log(step, row)
-        if step % run.checkpoint.every_steps == 0 or p.stop or step == run.total_steps:
-            await p.save(step)
+            if step % run.checkpoint.every_steps == 0 or p.stop or step == run.total_steps:
+                await p.save(step)
+    except BaseException:
+        if evaluations is not None and not evaluations.done():
+            evaluations.cancel()
+            await asyncio.gather(evaluations, return_exceptions=True)
+        raise
     if step >= run.total_steps and not p.stop:
         p.log(step, await _evaluations(p, step, final=True))
     return step
+
+
+async def _log_held(
+    p: Parts, evaluations: asyncio.Future[dict[str, Any]] | None, held: list[tuple[int, dict[str, Any]]], row: dict
+) -> None:
+    """The evaluations' results into the first row after their start (a held one, else `row`); the held rows
+    logged, with the readings of now (their `device_hours` after the evaluations, as a row that waited for them)."""
+    if evaluations is not None:
+        (held[0][1] if held else row).update(await evaluations)
+    for step, waited in held:
+        p.log(step, waited)
+
+
+def _may_defer(p: Parts, evaluations: asyncio.Future[dict[str, Any]], version: int) -> bool:
+    """Whether the push of `version` may wait one step for evaluations still running (once per evaluation):
+    PipelineRL only (its engines change weights in flight, so the wait only makes the next batch a version
+    staler), with the engines one version behind and k >= 2, and not at a step that checkpoints, stops, ends or
+    starts evaluations."""
+    run = p.run
+    return (
+        not evaluations.done()
+        and run.rollout.mode == "pipeline"
+        and run.rollout.k >= 2
+        and version - p.pipeline.version == 1
+        and version < run.total_steps
+        and version % run.checkpoint.every_steps != 0
+        and not p.stop
+        and not _due(p, version, final=False)
+    )
+
+
+def _due(p: Parts, step: int, final: bool) -> bool:
+    """Whether any evaluation is due at `step` (all of them at the end)."""
+    run = p.run
+    downstream = bool(p.downstream) and (final or step % run.eval.downstream.every_steps == 0)
+    return final or step % run.eval.every_steps == 0 or downstream
 
 
 async def _evaluations(p: Parts, step: int, final: bool) -> dict[str, Any]:

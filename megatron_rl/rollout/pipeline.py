@@ -5,7 +5,8 @@ start a new group:
 
 - `pipeline` (PipelineRL-k): generation never stops. Groups are started whenever fewer than
   2 x prompts_per_step are buffered or in flight; weights change under running sequences (the engine
-  records each token's policy version).
+  records each token's policy version). The one pause: while the loop holds a push back for a step
+  (`hold`, the engines finishing an evaluation of the weights they have) no group starts.
 - `ppo_off_policy` (PPO-off-policy-k): generation runs in rounds of k x prompts_per_step groups with
   frozen weights; the next round starts only after the trainer has taken k steps and synced
   (`release_round`).
@@ -184,8 +185,8 @@ class RolloutPipeline:
     async def _produce(self) -> None:
         while True:
             await self.slots.acquire()  # released when the trainer takes the group
+            await self.round_open.wait()  # PipelineRL: closed while a push waits (`hold`)
             if self.cfg.mode == "ppo_off_policy":
-                await self.round_open.wait()
                 self.round_started += 1
                 if self.round_started == self.cfg.k * self.cfg.prompts_per_step:
                     self.round_open.clear()  # frozen weights: wait for k steps and a sync
@@ -209,6 +210,15 @@ class RolloutPipeline:
         self.version = version
         if self.cfg.mode == "ppo_off_policy":
             self.release_round()
+        else:
+            self.round_open.set()
+
+    def hold(self) -> None:
+        """PipelineRL: the trainer takes one step without a push (the engines keep their weights while they
+        evaluate them). No group starts until the next push: a group started now, on weights already one version
+        behind, could be trained on more than k versions later."""
+        assert self.cfg.mode == "pipeline", "ppo_off_policy pushes after every k-th step only"
+        self.round_open.clear()
 
     def release_round(self) -> None:
         """PPO-off-policy: the trainer synced after k steps; generate the next round."""

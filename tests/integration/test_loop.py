@@ -79,7 +79,16 @@ def test_pipeline_rl_run_learns_logs_and_resumes(tmp_path):
     # fp32 heads on both sides: on-policy tokens agree to ~1e-5; staleness adds real policy change
     assert steps[0]["train/mismatch"] < 1e-3
     assert all(r["train/mismatch"] < 0.1 for r in steps)
-    assert all(r["sync/bytes"] > 0 for r in steps)  # weights pushed after every step
+    # weights pushed after every step; a row with evaluation results may leave its push to the next step, which
+    # the trainer took while the engines evaluated
+    assert (
+        all(
+            r.get("sync/bytes", 0) > 0
+            or (any(k.startswith(("val/", "downstream/")) for k in r) and n["sync/bytes"] > 0)
+            for r, n in zip(steps, steps[1:], strict=False)
+        )
+        and steps[-1]["sync/bytes"] > 0
+    )
     val = [r for r in rows if "val/pass_rate" in r]
     assert val and all(0 <= r["val/pass_rate/math"] <= 1 for r in val)
     assert all(r["val/policy_versions"] == 1 for r in val)  # evaluated beside the step, before its weight push
@@ -144,7 +153,16 @@ def test_an_moe_policy_learns_through_the_loop_at_ep2_with_routing_replay(tmp_pa
     assert (parallel["ep"], parallel["trainer_devices"]) == (2, 2)
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == list(range(1, 41))
-    assert all(r["train/skipped_steps"] == 0 and r["sync/bytes"] > 0 for r in steps)  # pushed from EP 2 each step
+    assert all(r["train/skipped_steps"] == 0 for r in steps)
+    # pushed from EP 2 after every step (an evaluation's row may leave its push to the next step)
+    assert (
+        all(
+            r.get("sync/bytes", 0) > 0
+            or (any(k.startswith(("val/", "downstream/")) for k in r) and n["sync/bytes"] > 0)
+            for r, n in zip(steps, steps[1:], strict=False)
+        )
+        and steps[-1]["sync/bytes"] > 0
+    )
     # SGLang's MoE and the trainer's route the same fp32 model: the first, on-policy step agrees
     assert steps[0]["train/mismatch"] < 1e-3
     # every completion came back with its routing record, and the trainer replayed it: the trainer's own router

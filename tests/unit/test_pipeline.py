@@ -129,6 +129,38 @@ def test_the_push_cadence_is_the_pipelines(encoder, rewards):
     assert versions and set(versions) == {2}
 
 
+def test_a_held_push_starts_no_group_until_the_next_push(encoder, rewards):
+    """PipelineRL with a push held back (the engines keep weights they are evaluating for one more trainer step):
+    the trainer's next batch comes from groups already started, no group starts meanwhile (one started on the
+    held weights could be trained on more than k versions later), and the next push restarts generation."""
+    train = {"math": [Prompt(f"h{i}", "math", f"What is {i} + 1?", answer=str(i + 1)) for i in range(8)]}
+    algo = AlgoConfig(zero_variance_filter=False)
+    pipeline = _pipeline(encoder, rewards, train, _rollout(mode="pipeline", k=2), "\\boxed{2}", algo)
+
+    async def held() -> tuple[int, int, list[int]]:
+        pipeline.start()
+        try:
+            await asyncio.wait_for(pipeline.next_batch(0), timeout=60)
+            pipeline.pushed(1)
+            await asyncio.sleep(0.2)  # the slots the batch freed are refilled at version 1
+            pipeline.hold()
+            before = len(pipeline.buffer) + sum(pipeline.generating.values())
+            await asyncio.wait_for(pipeline.next_batch(1), timeout=60)  # from groups started before the hold
+            await asyncio.sleep(0.2)
+            during = len(pipeline.buffer) + sum(pipeline.generating.values())
+            pipeline.pushed(3)
+            await asyncio.sleep(0.2)
+            starts = [sampled.start_version for sampled in pipeline.buffer]
+            return before, during, starts
+        finally:
+            await pipeline.close()
+
+    before, during, starts = asyncio.run(held())
+    capacity = 2 * 4  # 2 x prompts_per_step groups buffered or generating
+    assert before == capacity and during == capacity - 4  # the batch taken while held was not replaced
+    assert len(starts) == capacity and starts.count(3) == 4  # the push refilled its slots at the new version
+
+
 def test_ppo_off_policy_replaces_stale_groups_within_the_round(encoder, rewards):
     train = {"math": [Prompt(f"s{i}", "math", f"What is {i} + 1?", answer=str(i + 1)) for i in range(8)]}
     cfg = _rollout(mode="ppo_off_policy", k=1, staleness="drop")  # a round is exactly one batch of 4 groups
