@@ -2,6 +2,8 @@
 
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -34,3 +36,19 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"{len(_DESELECTED_GPU)} GPU test(s) deselected: no CUDA device here (on a GPU node: pytest -m gpu)"
         )
+
+
+@pytest.fixture
+def pushed_every_step():
+    """A check over a run's step rows (in step order): every step's weights reached the engines, by that step's push
+    or, for a row holding evaluation results (its push may wait one step while the engines evaluate), the next's."""
+
+    def check(steps: list[dict]) -> bool:
+        def evaluated(row: dict) -> bool:
+            return any(key.startswith(("val/", "downstream/")) for key in row)
+
+        pairs = zip(steps, steps[1:], strict=False)
+        held = all(r.get("sync/bytes", 0) > 0 or (evaluated(r) and after["sync/bytes"] > 0) for r, after in pairs)
+        return held and steps[-1]["sync/bytes"] > 0
+
+    return check
