@@ -138,7 +138,7 @@ class SGLangServer:
             env.setdefault("OMP_NUM_THREADS", "1")
             # SGLang's crash diagnostics, a py-spy dump of the schedulers and a CUDA core dump after sleeping 5 s
             # "to let GPU activity settle", run whenever a scheduler exits unasked, as it does on `stop()`'s SIGTERM:
-            # on CPU there is no GPU to settle and nothing to dump, and every stop took ~7 s instead of ~2.
+            # on CPU there is no GPU to settle and nothing to dump, with them every stop takes ~7 s instead of ~2.
             env.setdefault("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "0")
             env.setdefault("SGLANG_CUDA_COREDUMP_BEFORE_CRASH", "0")
         return env
