@@ -88,7 +88,7 @@ class MetricsLogger:
     `resume_step`: the step the run continues from (0 for a fresh start). Rows an earlier process logged
     after that step (it died before its next checkpoint, so those steps run again) are removed, as is a
     torn last line, so that no step appears twice; the file is rewritten atomically and what was removed
-    is printed."""
+    is printed. `wandb_run`: the run's wandb run if already started (`start_wandb`); else it starts here."""
 
     def __init__(
         self,
@@ -97,6 +97,7 @@ class MetricsLogger:
         header: dict[str, Any],
         config: dict[str, Any],
         resume_step: int = 0,
+        wandb_run: Any = None,
     ) -> None:
         self.cfg = cfg
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -112,19 +113,7 @@ class MetricsLogger:
             self.file = self.path.open("w")
             self.file.write(lines[0] + "\n")
             self.file.flush()
-        self.wandb = None
-        if cfg.wandb != "disabled":
-            import wandb
-
-            self.wandb = wandb.init(
-                mode=cfg.wandb,
-                project=cfg.project,
-                name=header.get("name"),
-                dir=str(run_dir),
-                config=config,
-                resume="allow",
-                id=header.get("name", "run").replace("/", "-"),
-            )
+        self.wandb = wandb_run if wandb_run is not None else start_wandb(cfg, run_dir, header.get("name"), config)
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in row.items()}}
@@ -144,6 +133,34 @@ class MetricsLogger:
             # wandb's service process otherwise lives until this interpreter's exit; the run's clean shutdown
             # would find it still running (and end it, which makes wandb's own exit hook fail).
             wandb.teardown()
+
+
+def start_wandb(cfg: LoggingConfig, run_dir: Path, name: str | None, config: dict[str, Any]) -> Any:
+    """The run's wandb run, None when disabled. `wandb.init` takes ~1 s (it starts wandb's service process): the
+    training driver calls this in a thread while the trainer and engines start."""
+    if cfg.wandb == "disabled":
+        return None
+    import wandb
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return wandb.init(
+        mode=cfg.wandb,
+        project=cfg.project,
+        name=name,
+        dir=str(run_dir),
+        config=config,
+        resume="allow",
+        id=(name or "run").replace("/", "-"),
+    )
+
+
+def end_wandb(wandb_run: Any) -> None:
+    """Finish a wandb run the driver started and never handed to a MetricsLogger (its start failed)."""
+    if wandb_run is not None:
+        import wandb
+
+        wandb_run.finish(exit_code=1)
+        wandb.teardown()
 
 
 def _continued(path: Path, resume_step: int, header: str) -> list[str]:

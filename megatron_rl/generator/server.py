@@ -130,6 +130,11 @@ class SGLangServer:
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))
+        # `/health` answers from the server's status (503 while it starts or warms up, 200 once up) instead of
+        # generating one token: SGLang's generating probe sleeps a whole second before it looks for the token, so
+        # `wait_ready` saw every start ~1 s late, on the run's start-up path. Liveness is the process's
+        # (orchestration/engines.py), not this probe's.
+        env.setdefault("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "0")
         if self.cfg.device == "cpu":
             env["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU platform defaults (no CUDA probing)
             # One torch thread, as a Ray actor with one CPU gets and as every trainer rank takes (OMP_NUM_THREADS
@@ -177,7 +182,7 @@ class SGLangServer:
             text = f.read().decode(errors="replace")
         return "\n".join(text.splitlines()[-lines:])
 
-    async def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.5) -> None:
+    async def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.1) -> None:
         """Wait until `/health` answers 200; raise EngineError with the log tail if the server exits or
         is not ready in time (then it is stopped)."""
         if self.process is None:

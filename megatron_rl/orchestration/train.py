@@ -41,7 +41,7 @@ from megatron_rl.config import ConfigError, RunConfig, save_config
 from megatron_rl.data.benchmarks import BenchmarkSet, load_benchmark
 from megatron_rl.data.datasets import Splits, load_splits
 from megatron_rl.data.sampler import CurriculumSampler
-from megatron_rl.metrics import ComputeClock, MetricsLogger, read_metrics
+from megatron_rl.metrics import ComputeClock, MetricsLogger, end_wandb, read_metrics, start_wandb
 from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
 from megatron_rl.orchestration.engines import EngineGroup, LocalLaunch, local_engines
 from megatron_rl.orchestration.placement import check_cpu_slots, cpu_processes, local_ray_cpus
@@ -391,6 +391,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     record_starting_model(run_dir, policy)
     check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0), local_engines=launch is not None)
     stop.install()  # over Ray's handler
+    wandb_run = _in_daemon_thread(start_wandb, run.logging, run_dir, run.name, dataclasses.asdict(run))
     # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
     # models while the engines start, the two longest parts of start-up, side by side.
     trainers = TrainerGroup(run, dataclasses.asdict(run), wait=False)
@@ -399,6 +400,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     except BaseException:
         if launch is not None:
             launch.close()
+        _drop(wandb_run)
         raise
     rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)  # their imports run meanwhile too
     try:
@@ -431,7 +433,8 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
         header.update(device_kind=run.compute.device_kind, devices=devices)
         header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
-        logger = MetricsLogger(run.logging, run_dir, header, dataclasses.asdict(run), resume_step=step)
+        config = dataclasses.asdict(run)
+        logger = MetricsLogger(run.logging, run_dir, header, config, resume_step=step, wandb_run=await wandb_run)
         return Parts(
             run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
             step, regenerated, downstream,
@@ -440,7 +443,16 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         rewards.close()
         if launch is not None:
             launch.close()
+        _drop(wandb_run)
         raise
+
+
+def _drop(wandb_run: asyncio.Future[Any]) -> None:
+    """The wandb run of a start that failed: finished if it started, else never handed over."""
+    if wandb_run.done() and not wandb_run.cancelled() and wandb_run.exception() is None:
+        end_wandb(wandb_run.result())
+    else:
+        wandb_run.cancel()
 
 
 def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
@@ -513,19 +525,23 @@ def start_ray(run: RunConfig) -> None:
         slots, processes = local_ray_cpus(run, cores), cpu_processes(run)
         if processes > cores:
             print(f"ray: {processes} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
-        with _without_autoscaler():
+        with _one_machine_head():
             ray.init(address="local", include_dashboard=False, num_cpus=slots)
 
 
 @contextlib.contextmanager
-def _without_autoscaler() -> Any:
-    """A local Ray head without the autoscaler's monitor process (55 MB of memory): one machine's Ray has no
-    nodes to add or remove. `ray.init` exposes no switch for it; `ray start --head` has one (`--no-monitor`,
-    the field `RayParams.no_monitor` it sets), so the head `ray.init` starts is given the same field. Ray's
-    log monitor (actors' output on this console) and its dashboard agents (the state API) still start."""
+def _one_machine_head() -> Any:
+    """A local Ray head without the processes a one-machine run never uses: the autoscaler's monitor (one
+    machine's Ray has no nodes to add or remove; 55 MB of memory) and the API server (`dashboard.py`, behind Ray's
+    jobs, state API and dashboard, none of which a run calls; ~1 s of CPU on the start-up's busy cores and ~100 MB).
+    `ray.init` exposes no switch for either: `ray start --head` has one for the monitor (`--no-monitor`, the field
+    `RayParams.no_monitor` it sets), which the head `ray.init` starts is given, and the node's `start_api_server`
+    does nothing while it starts. Ray's log monitor (actors' output on this console), raylet and agents still
+    start; a head started by `ray start` (a Slurm allocation) is joined as it is."""
+    import ray._private.node as node
     import ray._private.parameter as parameter
 
-    base = parameter.RayParams
+    base, start_api_server = parameter.RayParams, node.Node.start_api_server
 
     class HeadParams(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -533,10 +549,11 @@ def _without_autoscaler() -> Any:
             self.no_monitor = True
 
     parameter.RayParams = HeadParams
+    node.Node.start_api_server = lambda self, **kwargs: None
     try:
         yield
     finally:
-        parameter.RayParams = base
+        parameter.RayParams, node.Node.start_api_server = base, start_api_server
 
 
 def load_downstream(run: RunConfig) -> dict[str, BenchmarkSet]:

@@ -236,3 +236,61 @@ def test_importing_sglang_on_cpu_leaves_inductor_unimported() -> None:
     inductor, aot, dynamo = out.stdout.split()
     assert int(inductor) < 40 and aot == "False", out.stdout  # 181 inductor modules and AOTAutograd before
     assert dynamo == "True"
+
+
+SERVER_PROCESS = (
+    "import sys, megatron_rl_sglang_cpu\n"
+    "sys.orig_argv = [sys.executable, '-m', 'sglang.launch_server']\n"
+    "megatron_rl_sglang_cpu.install()\n"  # as the .pth does at the start of the server's interpreter
+)
+"""Makes a `python -c` process the server of a CPU engine to the shim (`python -m sglang.launch_server`)."""
+
+
+def _server_process(code: str, **env: str) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**{k: v for k, v in os.environ.items() if k != "SGLANG_EXTERNAL_MODEL_PACKAGE"}, **env}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+def test_a_cpu_server_imports_sglangs_frontend_only_when_used() -> None:
+    """`import sglang` in a CPU engine's server leaves the frontend language (`sglang.lang`, ~1 s of the engine's
+    start-up) unimported; its names still work when used, and `import sglang.lang.api` gives the real module. In
+    any other process `import sglang` is SGLang's own."""
+    code = SERVER_PROCESS + (
+        "import sglang\n"
+        "print(any(m.startswith('sglang.lang') for m in sys.modules))\n"
+        "print(sglang.global_config.default_backend is None)\n"  # first use: the real global_config
+        "print(any(m.startswith('sglang.lang') for m in sys.modules))\n"
+        "import sglang.lang.api as api\n"
+        "print(api.gen is sglang.gen.megatron_rl_target(), type(api).__name__)\n"
+        "print(callable(sglang.gen) and sglang.gen(name='x', max_tokens=3).__class__.__name__)\n"
+    )
+    lines = _server_process(code, SGLANG_USE_CPU_ENGINE="1").split()
+    assert lines == ["False", "True", "True", "True", "module", "SglGen"], lines
+    other = _server_process(SERVER_PROCESS + "import sglang\nprint('sglang.lang.api' in sys.modules)\n")
+    assert other.split() == ["True"]  # not a CPU engine (no SGLANG_USE_CPU_ENGINE): SGLang's own import
+
+
+def test_a_cpu_server_imports_only_the_models_it_serves() -> None:
+    """SGLang's registry imports every one of its ~250 model modules to find a class (~1 s of the scheduler's
+    start); a CPU server registers the Llama and Qwen-3 classes first, and any other architecture still resolves
+    to SGLang's class after a full import."""
+    code = SERVER_PROCESS + (
+        "import sglang\n"
+        "from sglang.srt.models.registry import ModelRegistry\n"
+        "from sglang.srt.models.llama import LlamaForCausalLM\n"
+        "cls, arch = ModelRegistry.resolve_model_cls(['LlamaForCausalLM'])\n"
+        "print(cls is LlamaForCausalLM, arch)\n"
+        "print(sum(m.startswith('sglang.srt.models.') for m in sys.modules) < 20)\n"
+        "cls, arch = ModelRegistry.resolve_model_cls(['Llama4ForCausalLM'])\n"
+        "import sglang.srt.models.llama4 as llama4\n"
+        "print(cls is llama4.Llama4ForCausalLM, arch)\n"
+        "print(sum(m.startswith('sglang.srt.models.') for m in sys.modules) > 150)\n"
+    )
+    lines = _server_process(code, SGLANG_USE_CPU_ENGINE="1").split()
+    assert lines == ["True", "LlamaForCausalLM", "True", "True", "Llama4ForCausalLM", "True"], lines

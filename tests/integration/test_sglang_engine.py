@@ -102,6 +102,21 @@ def test_server_that_dies_at_start_reports_its_log_tail(tmp_path):
     assert not bad.alive() and bad.process is None
 
 
+def test_readiness_and_health_probes_generate_nothing(server):
+    """`wait_ready` and `health()` read the server's status: SGLang's generating `/health` sleeps a second before
+    it looks for its token, which made every engine start ~1 s later than the server was up."""
+
+    async def go():
+        client = SGLangClient(server.url)
+        try:
+            return await client.health()
+        finally:
+            await client.close()
+
+    assert run(go())
+    assert "Prefill batch" not in server.log_path.read_text()  # the fixture's wait_ready and the probe: no request
+
+
 def test_generate_returns_tokens_logprobs_versions_and_finish(server, eos):
     async def go():
         client = SGLangClient(server.url)

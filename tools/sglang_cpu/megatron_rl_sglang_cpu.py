@@ -139,12 +139,30 @@ What: once torch is imported and an `sglang` module is first imported (CPU only)
 plain function returns a wrapper that calls the real `torch.compile` with the same arguments at the wrapper's
 first call and then runs what it returned: exactly what decorating did, later. Compiling a module, or anything
 but a plain function, calls the real `torch.compile` at once; torch's own `torch.compiler.disable` is untouched.
+
+10. The SGLang server process on CPU does not import SGLang's frontend language, nor every model.
+
+Why: `import sglang` (the package, imported first by `python -m sglang.launch_server`) imports its frontend
+language (`sglang.lang`: `sgl.gen`, `Runtime`, the OpenAI/Anthropic backends' HTTP client), which no server
+process uses: ~1 s of the server's import CPU on the engine's start-up path. And SGLang's model registry imports
+all ~250 of its model modules to find the one class a checkpoint names: ~1.1 s more in the scheduler.
+
+What: in the server process of a CPU engine (`-m sglang.launch_server` with SGLANG_USE_CPU_ENGINE=1, set by
+megatron_rl/generator/server.py), while `sglang/__init__.py` runs, its `from sglang.lang... import name` lines
+bind names that import their module at first use (as that file already does for its backend clients, with
+SGLang's `LazyImport`); afterwards `import sglang.lang...` imports the real modules as usual. And
+SGLANG_EXTERNAL_MODEL_PACKAGE, unless set, names `megatron_rl_sglang_cpu_models`, which re-exports the entry
+classes of SGLang's Llama and Qwen-3 modules (the CPU runs' architectures): SGLang's own switch for a package of
+models registered first; any other architecture (a miss) makes the registry import all of SGLang's models as
+before. The classes served are SGLang's own in both cases.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -596,6 +614,76 @@ PATCHES = {
 """Module -> the patch applied right after SGLang's module is executed (CPU only)."""
 
 
+FRONTEND = (
+    "sglang.lang.api",
+    "sglang.lang.backend.runtime_endpoint",
+    "sglang.lang.choices",
+    "sglang.lang.global_config",
+)
+"""The frontend modules `sglang/__init__.py` imports names from."""
+
+MODELS = "megatron_rl_sglang_cpu_models"
+
+
+def _cpu_server() -> bool:
+    """This process is the SGLang server of a CPU engine (decided without importing torch)."""
+    argv = getattr(sys, "orig_argv", sys.argv)
+    return os.environ.get("SGLANG_USE_CPU_ENGINE") == "1" and "sglang.launch_server" in argv
+
+
+class Deferred:
+    """A name of SGLang's frontend that imports its module at first use (call or attribute)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.megatron_rl_module, self.megatron_rl_name = module, name
+
+    def megatron_rl_target(self):  # type: ignore[no-untyped-def]
+        module = importlib.import_module(self.megatron_rl_module)
+        if getattr(module, "megatron_rl_stand_in", False):  # used while sglang/__init__.py still runs
+            raise AttributeError(f"{self.megatron_rl_module}.{self.megatron_rl_name} is imported after `import sglang`")
+        return getattr(module, self.megatron_rl_name)
+
+    def __call__(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return self.megatron_rl_target()(*args, **kwargs)
+
+    def __getattr__(self, attr: str):  # type: ignore[no-untyped-def]
+        if attr.startswith("megatron_rl_"):
+            raise AttributeError(attr)
+        return getattr(self.megatron_rl_target(), attr)
+
+
+def _deferred_module(name: str) -> types.ModuleType:
+    def deferred(attr: str) -> Deferred:
+        if attr.startswith("__"):  # a module's own attributes (`__file__`, ...): a stand-in has none
+            raise AttributeError(attr)
+        return Deferred(name, attr)
+
+    module = types.ModuleType(name, "Stands in for SGLang's frontend module while sglang/__init__.py runs.")
+    module.megatron_rl_stand_in = True  # type: ignore[attr-defined]
+    module.__getattr__ = deferred  # type: ignore[method-assign]
+    return module
+
+
+class _FrontendDeferred(importlib.abc.Loader):
+    """Runs `sglang/__init__.py` with the frontend modules standing in, then removes them from sys.modules."""
+
+    def __init__(self, loader: importlib.abc.Loader) -> None:
+        self.loader = loader
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        stand_ins = {name: _deferred_module(name) for name in FRONTEND if name not in sys.modules}
+        sys.modules.update(stand_ins)
+        try:
+            self.loader.exec_module(module)
+        finally:
+            for name, stand_in in stand_ins.items():
+                if sys.modules.get(name) is stand_in:
+                    del sys.modules[name]
+
+
 class _PatchAfterLoad(importlib.abc.Loader):
     def __init__(self, loader: importlib.abc.Loader, patch) -> None:  # type: ignore[no-untyped-def]
         self.loader, self.patch = loader, patch
@@ -615,6 +703,11 @@ class SGLangCpuPatches(importlib.abc.MetaPathFinder):
     def find_spec(
         self, fullname: str, path: object = None, target: object = None
     ) -> importlib.machinery.ModuleSpec | None:
+        if fullname == "sglang" and _cpu_server():
+            spec = importlib.machinery.PathFinder.find_spec(fullname, path)  # type: ignore[arg-type]
+            if spec is not None and spec.loader is not None:
+                spec.loader = _FrontendDeferred(spec.loader)
+            return spec
         if not self.compile_deferred and fullname.startswith("sglang"):
             torch = sys.modules.get("torch")
             if torch is not None:  # decided once, with torch imported (SGLang imports it first)
@@ -634,6 +727,8 @@ class SGLangCpuPatches(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
+    if _cpu_server():
+        os.environ.setdefault("SGLANG_EXTERNAL_MODEL_PACKAGE", MODELS)
     if not any(isinstance(finder, TorchvisionRegistrationGuard) for finder in sys.meta_path):
         sys.meta_path.insert(0, TorchvisionRegistrationGuard())
     if not any(isinstance(finder, SGLangCpuPatches) for finder in sys.meta_path):
