@@ -402,7 +402,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
             launch.close()
         _drop(wandb_run)
         raise
-    rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)  # their imports run meanwhile too
+    rewards: RewardWorkers | None = None
     try:
         await asyncio.gather(engines.start(), trainers.ready())
 
@@ -424,6 +424,9 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         if checkpoint is not None:
             await engines.push_weights(trainers, step)
 
+        # The reward workers' start (their imports, ~1 s of CPU) comes now, not beside the engines' and trainer's on
+        # the start-up's busy cores: the first rewards are needed at the end of the first evaluation's generation.
+        rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
         seed = run.seed + step
         pipeline = RolloutPipeline(
             run.rollout, run.algo, sampler, rewards, engines.generate, encoder, tokens, seed=seed, version=step
@@ -440,7 +443,8 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
             step, regenerated, downstream,
         )  # fmt: skip
     except BaseException:
-        rewards.close()
+        if rewards is not None:
+            rewards.close()
         if launch is not None:
             launch.close()
         _drop(wandb_run)
