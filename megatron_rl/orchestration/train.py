@@ -540,12 +540,17 @@ def _one_machine_head() -> Any:
     jobs, state API and dashboard, none of which a run calls; ~1 s of CPU on the start-up's busy cores and ~100 MB).
     `ray.init` exposes no switch for either: `ray start --head` has one for the monitor (`--no-monitor`, the field
     `RayParams.no_monitor` it sets), which the head `ray.init` starts is given, and the node's `start_api_server`
-    does nothing while it starts. Ray's log monitor (actors' output on this console), raylet and agents still
-    start; a head started by `ray start` (a Slurm allocation) is joined as it is."""
+    does nothing while it starts. The dashboard agent starts minimal (`--minimal`, as with Ray's minimal install:
+    no metrics export or HTTP server, which only the dashboard reads): `ray.init` decides that by importing the
+    dashboard's optional dependencies (aiohttp, grpc, prometheus, opencensus; ~0.25 CPU-s, and Ray's start 0.5 s
+    later, measured alternating), which it is told are absent. Ray's log monitor (actors' output on this console),
+    raylet and agents still start; a head started by `ray start` (a Slurm allocation) is joined as it is."""
     import ray._private.node as node
     import ray._private.parameter as parameter
+    import ray._private.utils as utils
 
     base, start_api_server = parameter.RayParams, node.Node.start_api_server
+    dependency_error = utils.get_dashboard_dependency_error
 
     class HeadParams(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -554,10 +559,12 @@ def _one_machine_head() -> Any:
 
     parameter.RayParams = HeadParams
     node.Node.start_api_server = lambda self, **kwargs: None
+    utils.get_dashboard_dependency_error = lambda: ImportError("a one-machine run starts no dashboard")
     try:
         yield
     finally:
         parameter.RayParams, node.Node.start_api_server = base, start_api_server
+        utils.get_dashboard_dependency_error = dependency_error
 
 
 def load_downstream(run: RunConfig) -> dict[str, BenchmarkSet]:

@@ -1,6 +1,6 @@
 """The local Ray head a one-machine run starts (`orchestration.train.start_ray`): no autoscaler monitor (one
-machine has no nodes to add) and no API server (no jobs, state API or dashboard), everything else Ray starts for a
-run still there."""
+machine has no nodes to add), no API server (no jobs, state API or dashboard) and a minimal dashboard agent (no
+metrics server), everything else Ray starts for a run still there."""
 
 from __future__ import annotations
 
@@ -9,27 +9,33 @@ import subprocess
 import sys
 
 PROBE = """
-import json, psutil, ray
+import glob, json, os, sys, psutil, ray
 from megatron_rl.config import load_config
 from megatron_rl.orchestration.train import start_ray
 import ray._private.node as node
 import ray._private.parameter as parameter
-base, api = parameter.RayParams, node.Node.start_api_server
+import ray._private.utils as utils
+base, api, deps = parameter.RayParams, node.Node.start_api_server, utils.get_dashboard_dependency_error
 start_ray(load_config("scalerl-cpu", None, []))
 try:
     commands = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    session = ray._private.worker._global_node.get_session_dir_path()
+    ports = {os.path.basename(f).rsplit("_", 1)[0]: open(f).read().strip() for f in glob.glob(session + "/*_port_*")}
     print(json.dumps({
         "commands": commands,
         "cpus": ray.cluster_resources().get("CPU"),
         "answer": ray.get(ray.remote(lambda: 41 + 1).remote()),
-        "restored": parameter.RayParams is base and node.Node.start_api_server is api,
+        "ports": ports,
+        "dashboard_deps_imported": "ray.dashboard.optional_deps" in sys.modules,
+        "restored": parameter.RayParams is base and node.Node.start_api_server is api
+        and utils.get_dashboard_dependency_error is deps,
     }))
 finally:
     ray.shutdown()
 """
 
 
-def test_the_local_head_starts_without_the_autoscaler_monitor_and_api_server() -> None:
+def test_the_local_head_starts_without_the_autoscaler_monitor_api_server_or_metrics_agent() -> None:
     result = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.strip().splitlines()[-1])
@@ -39,4 +45,8 @@ def test_the_local_head_starts_without_the_autoscaler_monitor_and_api_server() -
     for part in ("gcs_server", "raylet", "log_monitor.py"):  # the log monitor prints the actors' output here
         assert any(part in c for c in commands), (part, commands)
     assert got["answer"] == 42 and got["cpus"] >= 1
-    assert got["restored"], "ray's RayParams or Node.start_api_server was left replaced"
+    # the agent started minimal (Ray writes -1 for the metrics agent it then has no server for), and ray.init did
+    # not import the dashboard's optional dependencies to decide that
+    assert got["ports"]["metrics_agent_port"] == "-1" and got["ports"]["runtime_env_agent_port"] != "-1", got["ports"]
+    assert not got["dashboard_deps_imported"]
+    assert got["restored"], "ray's RayParams, Node.start_api_server or get_dashboard_dependency_error left replaced"
