@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -49,15 +50,55 @@ def ready_timeout_s(cfg: EngineConfig, model_path: str | Path) -> float:
     return READY_BASE_S + READY_S_PER_GB * size / 1e9
 
 
+PORT_FLOOR = 20000
+"""(ours) The lowest port `free_port` hands out: above Ray's worker ports (10002-19999 by default)."""
+
+BIND_RETRIES = 3
+"""(ours) Starts on a fresh port, per `wait_ready`, after a server could not bind the one it was given."""
+
+_handed_out: set[int] = set()
+"""Ports this process handed out, never handed out twice: two servers started together must not share one."""
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's ephemeral port range: every bind to port 0 and every outgoing connection draws from it."""
+    try:
+        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+    return low, high
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port free on `host` (all interfaces for "") for a listener that another process binds later.
+
+    Below the ephemeral range where there is room: a port found by binding port 0 comes from that range, the
+    one every other process's bind(0) and outgoing connection draws from too, so in the seconds between its
+    release here and the server's bind (after SGLang's imports and model load) a trainer's rendezvous store or
+    a gloo listener could take it. The server then died with "address already in use" while its warm-up request
+    hung on the other process's socket. Below the range only an explicit bind can take it. (SGLang picks its
+    own NCCL port the same way, `sglang.srt.utils.network.get_free_port_below_ephemeral`.)
+    """
+    below = range(PORT_FLOOR, ephemeral_range()[0])  # empty when the range starts at the floor or under it
+    for port in random.sample(below, min(64, len(below))):
+        if port not in _handed_out and _port_is_free(host, port, reuse=False):
+            _handed_out.add(port)
+            return port
+    while True:  # no room below the range (a kernel configured to hand out every port): the kernel's pick
+        with socket.socket() as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
-def _port_is_free(host: str, port: int) -> bool:
+def _port_is_free(host: str, port: int, reuse: bool = True) -> bool:
+    """Whether a listener can bind `port` now (`reuse`: as one with SO_REUSEADDR, as uvicorn binds, which may
+    take a port whose last connections are still in TIME_WAIT)."""
     with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
@@ -95,10 +136,13 @@ class SGLangServer:
         max_position_embeddings, and sizes its request-to-token table from it (10M tokens for Scout: ~86 GB)."""
         self.process: subprocess.Popen[bytes] | None = None
         self.restarts = 0
+        self.bind_retries = 0
+        """Starts on a fresh port after the one given was taken before the server could bind it (`wait_ready`)."""
         self.started_at = 0.0
         self.ready_seconds = 0.0
         """Seconds from the last start() to ready (set by wait_ready)."""
         self._log: IO[bytes] | None = None
+        self._log_start = 0
 
     @property
     def url(self) -> str:
@@ -153,6 +197,7 @@ class SGLangServer:
             raise RuntimeError(f"SGLang server on port {self.port} is already running (pid {self.pid})")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = self.log_path.open("ab")
+        self._log_start = self._log.tell()
         command = self.command()
         self._log.write(f"\n=== megatron_rl: {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
         self._log.flush()
@@ -184,17 +229,23 @@ class SGLangServer:
 
     async def wait_ready(self, timeout_s: float | None = None, poll_s: float = 0.1) -> None:
         """Wait until `/health` answers 200; raise EngineError with the log tail if the server exits or
-        is not ready in time (then it is stopped)."""
+        is not ready in time (then it is stopped). A server that exits because another process took its port
+        before it could bind it starts again on a fresh one (`self.url` changes), up to BIND_RETRIES times."""
         if self.process is None:
             raise RuntimeError("SGLangServer.start() first")
         timeout_s = self.ready_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        retries = 0
         probe = aiohttp.ClientTimeout(total=5)
         async with aiohttp.ClientSession(timeout=probe) as session:
             while True:
                 if not self.alive():
                     code = self.process.returncode if self.process else None
                     self.stop()
+                    if retries < BIND_RETRIES and self._lost_its_port():
+                        retries += 1
+                        self._start_on_fresh_port()
+                        continue
                     message = f"SGLang server exited with code {code} while starting; log {self.log_path}:"
                     raise EngineUnavailableError(self.url, f"{message}\n{self.log_tail()}")
                 with contextlib.suppress(aiohttp.ClientError, TimeoutError):
@@ -210,6 +261,23 @@ class SGLangServer:
                     )
                     raise EngineTimeoutError(self.url, f"{message}\n{self.log_tail()}")
                 await asyncio.sleep(poll_s)
+
+    def _lost_its_port(self) -> bool:
+        """Whether this start's log says the HTTP listener could not bind its port (another process holds it)."""
+        with self.log_path.open("rb") as f:
+            f.seek(self._log_start)
+            text = f.read().decode(errors="replace").lower()
+        return "address already in use" in text
+
+    def _start_on_fresh_port(self) -> None:
+        taken, self.port = self.port, free_port(self.host)
+        self.bind_retries += 1
+        note = f"SGLang server could not bind port {taken} (another process holds it): starting on port {self.port}"
+        print(f"engine: {note}", flush=True)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as f:
+            f.write(f"\n=== megatron_rl: {note}\n".encode())
+        self.start()
 
     def stop(self, grace_s: float = 20.0) -> None:
         """End the whole process group: SIGTERM, then SIGKILL after `grace_s`."""

@@ -32,7 +32,6 @@ ignored); the check counts GPUs, not CPUs or memory (a node short of CPUs shows 
 from __future__ import annotations
 
 import math
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,10 +65,9 @@ class Placed:
         """This node's IP and a TCP port free on it: the address of a process group's store hosted here."""
         import ray
 
-        with socket.socket() as sock:
-            sock.bind(("", 0))  # every interface, as the store binds
-            port = int(sock.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        from megatron_rl.generator.server import free_port
+
+        return ray.util.get_node_ip_address(), free_port("")  # every interface, as the store binds
 
 
 @dataclass

@@ -369,3 +369,55 @@ def test_a_hung_engine_fails_the_push_within_the_sync_timeout_and_is_named(tmp_p
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(server.pid, signal.SIGCONT)
         server.stop()
+
+
+def test_an_engine_whose_port_is_taken_before_it_binds_starts_on_another(tmp_path):
+    """Another process's listener takes the engine's port between the pick and the server's bind (seconds later,
+    after SGLang's imports and model load), as a trainer's rendezvous store did: the server exits ("address
+    already in use") and starts again on a fresh port, which the engine then serves on. The squatter here accepts
+    and closes each connection; a silent one (the store) only delays that exit by the 10 s SGLang's own
+    post-start request waits on it."""
+    import asyncio
+    import socket
+
+    from megatron_rl.config import EngineConfig, ModelConfig, build, load_model_dict
+    from megatron_rl.generator.client import SGLangClient
+    from megatron_rl.generator.server import SGLangServer, free_port
+    from megatron_rl.models.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", build(ModelConfig, load_model_dict("cpu_demo")), seed=11)
+    engine = EngineConfig(device="cpu", dtype="float32", tp=1, fp32_lm_head=True)
+    taken = free_port()
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", taken))
+    squatter.listen(16)
+    closing = threading.Event()
+
+    def accept_and_close():
+        while not closing.is_set():
+            with contextlib.suppress(OSError):
+                squatter.accept()[0].close()
+
+    threading.Thread(target=accept_and_close, daemon=True).start()
+    server = SGLangServer(model_dir, engine, tmp_path / "engine.log", port=taken, max_total_tokens=4096)
+
+    async def generate() -> int:
+        client = SGLangClient(server.url)
+        try:
+            return len((await client.generate([5, 17, 42], 4, [], extra_params={"ignore_eos": True})).tokens)
+        finally:
+            await client.close()
+
+    server.start()
+    try:
+        asyncio.run(server.wait_ready(timeout_s=400))
+        assert server.port != taken and server.bind_retries == 1
+        assert server.url == f"http://127.0.0.1:{server.port}"
+        assert asyncio.run(generate()) == 4
+        log = (tmp_path / "engine.log").read_text()
+        assert "address already in use" in log.lower()
+        assert f"could not bind port {taken} (another process holds it): starting on port {server.port}" in log
+    finally:
+        server.stop()
+        closing.set()
+        squatter.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import socket
 
 import pytest
 
@@ -189,3 +190,27 @@ def test_a_cpu_engine_stops_without_crash_diagnostics_unless_asked(tmp_path, mon
     assert cpu.env()["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
     gpu = SGLangServer(tmp_path / "ckpt", dataclasses.replace(run.rollout.engine, device="cuda"), tmp_path / "g.log")
     assert "SGLANG_CUDA_COREDUMP_BEFORE_CRASH" not in gpu.env()
+
+
+def test_engine_and_store_ports_come_from_below_the_ephemeral_range(monkeypatch):
+    """A port found by binding port 0 comes from the range every other process's bind(0) and outgoing connection
+    draws from: released, it was taken by a trainer's rendezvous store before the engine bound it. Ports handed
+    out lie below that range, are free when handed out, and are never handed out twice by one process; with no
+    room below the range (every port ephemeral) the kernel picks."""
+    from megatron_rl.generator import server
+
+    low = server.ephemeral_range()[0]
+    ports = [server.free_port() for _ in range(40)] + [server.free_port("")]
+    assert len(set(ports)) == len(ports)
+    assert all(server.PORT_FLOOR <= port < low for port in ports)
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))  # free: binds without SO_REUSEADDR
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    try:  # a port held by a listener is never handed out
+        monkeypatch.setattr(server, "PORT_FLOOR", held.getsockname()[1])
+        monkeypatch.setattr(server, "ephemeral_range", lambda: (server.PORT_FLOOR + 1, 60999))
+        assert server.free_port() != held.getsockname()[1]  # the kernel's pick, as if the range had no room
+    finally:
+        held.close()
