@@ -12,7 +12,9 @@ stack first then TRL, then TRL first, and so on, so a machine slowing down over 
 What each run reports, measured the same way for both:
 
 - start-up: from the process's launch to the start of its loop (the stack: the moment its run clock starts,
-  before the step-0 validation; TRL: the first training step's start, before its step-0 validation);
+  before the step-0 validation; TRL: the first training step's start, before its step-0 validation), on a warm
+  page cache: each timed run follows an untimed 2-step run of the same system (without it, the run after the
+  other system's starts on files that run pushed out of a small page cache; `--cold` measures that);
 - steps/min over the loop, every validation, checkpoint and evaluation included;
 - wall seconds from the loop's start to the first validation at or above each target;
 - peak memory: the largest sum over the run's processes (the launched process and all its descendants), as
@@ -104,19 +106,44 @@ def measure(command: list[str], env: dict[str, str], log: Path, sample_s: float,
     }
 
 
-def run_stack(index: int, args: argparse.Namespace, policy: Path) -> dict[str, Any]:
-    name = f"stack{index}"
-    shutil.rmtree(args.output_dir / name, ignore_errors=True)
+WARM_UP_STEPS = 2
+"""Steps of the untimed run of a system just before its timed one (`--cold`: none)."""
+
+
+def stack_command(name: str, steps: int, args: argparse.Namespace, policy: Path) -> tuple[list[str], dict[str, str]]:
     cli = Path(sys.executable).with_name("megatron-rl")
     overrides = [
         f"output_dir={args.output_dir}",
         f"name={name}",
         f"model.hf_path={policy}",
-        f"total_steps={args.steps}",
+        f"total_steps={steps}",
     ]
     command = [str(cli), "train", "--recipe", RECIPE, *overrides, "checkpoint.resume=never", *args.overrides]
     # The command as the README gives it: no OMP_NUM_THREADS (each process of the run sets its own threads).
     env = {**{k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}, "WANDB_MODE": "offline"}
+    return command, env
+
+
+def warm_up(system: str, args: argparse.Namespace, policy: Path) -> None:
+    """A short untimed run of `system`, so that its timed run starts on a warm page cache: the files it reads at
+    start-up (libraries, Python modules, the policy) are those the other system's run pushed out of a small cache."""
+    if args.cold:
+        return
+    if system == "stack":
+        command, env = stack_command("warm", WARM_UP_STEPS, args, policy)
+    else:
+        bench, out = Path(__file__).with_name("bench_trl.py"), args.output_dir / "warm_trl.json"
+        command = [sys.executable, str(bench), "--steps", str(WARM_UP_STEPS), "--json", str(out), *args.overrides]
+        env = dict(os.environ)
+    with (args.output_dir / f"warm_{system}.log").open("w") as log:
+        subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    shutil.rmtree(args.output_dir / "warm", ignore_errors=True)
+
+
+def run_stack(index: int, args: argparse.Namespace, policy: Path) -> dict[str, Any]:
+    name = f"stack{index}"
+    shutil.rmtree(args.output_dir / name, ignore_errors=True)
+    command, env = stack_command(name, args.steps, args, policy)
     run = measure(command, env, args.output_dir / f"{name}.log", args.sample_s, args.pss_s)
     metrics = args.output_dir / name / "metrics.jsonl"
     summary = summarize(metrics)
@@ -217,6 +244,9 @@ def main() -> None:
     parser.add_argument("--sample-s", type=float, default=0.5, help="RSS sampling period (default 0.5 s)")
     parser.add_argument("--pss-s", type=float, default=2.0, help="PSS sampling period (default 2 s)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--cold", action="store_true", help="no untimed warm-up run before each timed one (start-up on a cold cache)"
+    )
     parser.add_argument("overrides", nargs="*", help="recipe overrides for both (as for megatron-rl train)")
     args = parser.parse_args()
 
@@ -231,6 +261,7 @@ def main() -> None:
     for index in range(args.runs):
         order = ("stack", "TRL") if index % 2 == 0 else ("TRL", "stack")
         for system in order:
+            warm_up(system, args, policy)
             result = run_stack(index + 1, args, policy) if system == "stack" else run_trl(index + 1, args)
             results.append(result)
             print(row(result, TARGETS), flush=True)
