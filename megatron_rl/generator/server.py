@@ -274,8 +274,7 @@ class SGLangServer:
         self.bind_retries += 1
         note = f"SGLang server could not bind port {taken} (another process holds it): starting on port {self.port}"
         print(f"engine: {note}", flush=True)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as f:
+        with self.log_path.open("ab") as f:  # the log of the start that failed: its directory exists
             f.write(f"\n=== megatron_rl: {note}\n".encode())
         self.start()
 
