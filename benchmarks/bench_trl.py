@@ -7,8 +7,9 @@ at TRL's fastest settings on this machine.
 One process: TRL 1.16's `GRPOTrainer` with Hugging Face `generate` (no vLLM) on the CPU, started from the
 warm-started policy that `megatron-rl train --recipe scalerl-cpu [overrides]` starts from (built or taken from
 the same cache), on the same training prompts and reward function (`megatron_rl.rewards.score`), with the
-recipe's batch (prompts_per_step x generations_per_prompt completions per step, temperature 1), learning rate,
-warm-up and gradient clip, and as much of the recipe's loss as TRL has: `loss_type="cispo"` with the recipe's
+recipe's batch (prompts_per_step x generations_per_prompt completions per step, temperature 1), optimizer (AdamW
+with the recipe's learning rate, warm-up, betas, epsilon, weight decay and gradient clip; TRL, like megatron-core,
+decays no norm or bias), and as much of the recipe's loss as TRL has: `loss_type="cispo"` with the recipe's
 truncation (`epsilon_high` = algo.eps_max), advantages normalised over the batch (`scale_rewards="batch"`), no KL
 term, one on-policy step per generation batch.
 
@@ -20,8 +21,9 @@ batch), validation in one `generate` call of all 1,024 sequences (10-step runs v
 steps/min, 36.4 at 512 per call, 34.9 at 128), fp32 as the recipe (TRL's default is bf16). What TRL cannot match,
 listed in the README's table: no interruption (its limit is the thinking + answer budget as one
 `max_completion_length`), the loss aggregated over the batch's tokens (`cispo` in TRL) where the recipe averages per
-prompt, on-policy training where the recipe runs PipelineRL-2, AdamW's (0.9, 0.999, 1e-8) where the recipe has its
-own betas.
+prompt, on-policy training where the recipe runs PipelineRL-2. The optimizer matters most of all for how fast the
+pass rate rises: at TRL's own AdamW defaults (betas 0.9 / 0.999, epsilon 1e-8, no weight decay) TRL crossed 0.7 at
+step 50 of a 100-step run, at the recipe's (0.9 / 0.95, 1e-15, 0.01) at step 70 (2026-11-28, benchmarks/README.md).
 
 Validation uses the run's own held-out prompts (`data.val_prompts`) and `eval.samples_per_prompt` samples at
 temperature 1 every `eval.every_steps` steps and at step 0, with HF `generate` on TRL's current weights
@@ -57,6 +59,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write the curve and timings here")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (default 2: fastest here)")
     parser.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off by default here")
+    parser.add_argument("--trl-optimizer", action="store_true", help="TRL's AdamW defaults, not the recipe's AdamW")
     parser.add_argument("--val-batch", type=int, default=1024, help="sequences per validation generate call")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, as for megatron-rl train")
     args = parser.parse_args()
@@ -142,13 +145,20 @@ def main() -> None:
             curve.append({"step": step, "pass_rate": rate, "wall_s": wall})
             print(f"step {step:4d} | val {rate:.3f} | {wall:.0f} s", flush=True)
 
+    opt = run.trainer.optimizer
+    # The recipe's AdamW; with `--trl-optimizer` TRL's defaults (betas 0.9 / 0.999, epsilon 1e-8, no weight decay).
+    adamw: dict[str, float] = dict(
+        adam_beta1=opt.adam_beta1, adam_beta2=opt.adam_beta2, adam_epsilon=opt.adam_eps, weight_decay=opt.weight_decay
+    )
+    if args.trl_optimizer:
+        adamw = dict(adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0)
     config = GRPOConfig(
         output_dir=str(Path("runs") / "bench_trl"),
         learning_rate=lr,
         lr_scheduler_type="constant_with_warmup",
-        warmup_steps=run.trainer.optimizer.warmup_steps,
-        max_grad_norm=run.trainer.optimizer.grad_clip,
-        weight_decay=0.0,
+        warmup_steps=opt.warmup_steps,
+        max_grad_norm=opt.grad_clip,
+        **adamw,
         loss_type="cispo",
         epsilon_high=run.algo.eps_max,
         scale_rewards="batch",
@@ -201,6 +211,7 @@ def main() -> None:
             "threads": args.threads,
             "gradient_checkpointing": args.gradient_checkpointing,
             "val_batch": args.val_batch,
+            "optimizer": adamw,
         }
         record = {"steps": steps, "lr": lr, "loop_s": loop_s, "startup_s": clock["startup_s"], "target": target}
         args.json.write_text(json.dumps({**record, "settings": settings, "curve": curve}))
