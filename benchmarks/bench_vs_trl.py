@@ -6,7 +6,7 @@
 Each round runs `megatron-rl train --recipe scalerl-cpu` as shipped (PipelineRL-2, validation of 256 prompts x 4
 every 10 steps, downstream evaluation every 50, checkpoints every 20, one trainer thread and one SGLang engine
 as the recipe runs them) and `benchmarks/bench_trl.py` (TRL 1.16 at the settings that file measured fastest: 2
-threads, no gradient checkpointing, the same policy, prompts, reward, batch, budgets and validation), in turn
+threads, no gradient checkpointing, the same policy, prompts, reward, batch, optimizer, budgets and validation), in turn
 stack first then TRL, then TRL first, and so on, so a machine slowing down over the hour hurts both alike.
 
 What each run reports, measured the same way for both:
