@@ -121,7 +121,16 @@ class SGLangClient:
     The same code runs on GPU nodes, where SGLang's HTTP server takes batches the same way. The price there is
     latency: a batch answers when its slowest item ends, so a completion whose thinking budget ran out early
     starts its answer request when the last of its batch does (the engine keeps decoding the others meanwhile).
+
+    A prompt asked for more than once in a turn (a group's G completions, a validation's samples) is prefilled
+    once: a `/generate` of those prompts with no new token goes first, and the completions then find the prompt
+    in SGLang's prefix cache, as SGLang's own parallel sampling (`n` > 1) caches the prompt before its samples.
+    Without it the engine prefilled each completion's copy of the prompt, in one batch where none could reuse
+    another's. Not with `routing`: a completion's routed experts then come from its own prefill.
     """
+
+    PRIME_MIN_TOKENS = 16
+    """Shortest prompt prefilled ahead of its copies: shorter ones cost less than the extra request."""
 
     def __init__(
         self,
@@ -259,10 +268,35 @@ class SGLangClient:
 
     def _send_queued(self) -> None:
         queued, self._queued = self._queued, []
-        for start in range(0, len(queued), self.batch_max):
-            task = asyncio.ensure_future(self._generate_batch(queued[start : start + self.batch_max]))
-            self._batches.add(task)
-            task.add_done_callback(self._batches.discard)
+        task = asyncio.ensure_future(self._send_turn(queued))
+        self._batches.add(task)
+        task.add_done_callback(self._batches.discard)
+
+    async def _send_turn(self, queued: list[tuple[list[int], dict[str, Any], asyncio.Future[Any]]]) -> None:
+        """A turn's calls: their shared prompts prefilled first, then batches of up to `batch_max`."""
+        try:
+            await self._prime(queued)
+        except asyncio.CancelledError:
+            for _, _, future in queued:
+                future.cancel()
+            raise
+        chunks = [queued[start : start + self.batch_max] for start in range(0, len(queued), self.batch_max)]
+        await asyncio.gather(*(self._generate_batch(chunk) for chunk in chunks))
+
+    async def _prime(self, queued: list[tuple[list[int], dict[str, Any], asyncio.Future[Any]]]) -> None:
+        """Prefill, with no new token, each prompt that more than one of `queued` asks for (class docstring)."""
+        if self.routing is not None:
+            return
+        copies: dict[tuple[int, ...], int] = {}
+        for ids, _, future in queued:
+            if len(ids) >= self.PRIME_MIN_TOKENS and not future.done():
+                copies[tuple(ids)] = copies.get(tuple(ids), 0) + 1
+        shared = [list(ids) for ids, n in copies.items() if n > 1]
+        if not shared:
+            return
+        payload = {"input_ids": shared, "sampling_params": [{"max_new_tokens": 0} for _ in shared]}
+        with contextlib.suppress(EngineError):  # the completions meet whatever went wrong, and are retried
+            await self.post("/generate", payload)
 
     async def _generate_batch(self, batch: list[tuple[list[int], dict[str, Any], asyncio.Future[Any]]]) -> None:
         """One `/generate` for the calls in `batch` (a plain request for one); each future gets its answer."""

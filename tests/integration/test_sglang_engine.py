@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import re
 import signal
 from pathlib import Path
 
@@ -162,6 +163,29 @@ def test_generator_logprobs_match_transformers(server, hf_model):
         assert mean < MEAN_BOUND and worst < MAX_BOUND
     # the comparison can fail: the same tokens scored at another temperature are far off
     assert logprob_error(hf_model, PROMPTS[0], segments[0], 1.0)[0] > 100 * MEAN_BOUND
+
+
+def test_copies_of_a_prompt_in_one_turn_prefill_it_once(server, hf_model):
+    """A group's G completions of one prompt: the client prefills the prompt once ahead of them, each completion
+    finds it in SGLang's prefix cache (its own prefill: the last prompt token), and their log-probs are still
+    transformers' on the same tokens."""
+    prompt = [random.Random(5).randrange(3, 500) for _ in range(24)]
+    start = server.log_path.stat().st_size
+
+    async def go():
+        client = SGLangClient(server.url)
+        try:
+            return await asyncio.gather(*(client.generate(prompt, 8, [], T1, FIXED) for _ in range(8)))
+        finally:
+            await client.close()
+
+    segments = run(go())
+    log = server.log_path.read_bytes()[start:].decode(errors="replace")
+    prefilled = [int(n) for n in re.findall(r"#new-token: (\d+)", log)]
+    assert sum(prefilled) == len(prompt) + 8, log[-2000:]  # without the prefill ahead: 8 x 24
+    errors = [logprob_error(hf_model, prompt, segment) for segment in segments]
+    assert all(len(segment.tokens) == 8 for segment in segments)
+    assert max(e[1] for e in errors) < MAX_BOUND
 
 
 def test_pause_in_place_keeps_running_sequences_and_continue_resumes(server):
