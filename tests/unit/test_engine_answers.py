@@ -41,27 +41,20 @@ def _with(meta: dict[str, Any] | None = None, **top: Any) -> str:
     return json.dumps(answer)
 
 
-async def _serve(bodies: list[tuple[str, str]]) -> tuple[web.AppRunner, str]:
-    """A server whose /generate answers 200 with the next (body, content type) in turn."""
+def _answering(bodies: list[tuple[str, str]]):
+    """A /generate handler that answers 200 with the next (body, content type) in turn."""
 
     async def generate(request: web.Request) -> web.Response:
         await request.read()
         body, content_type = bodies.pop(0)
         return web.Response(status=200, body=body.encode(), headers={"Content-Type": content_type})
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    return runner, f"http://127.0.0.1:{port}"
+    return generate
 
 
-def _generate(body: str, content_type: str = "application/json", routing: RoutingShape | None = None) -> Segment:
+def _generate(serve, body: str, content_type: str = "application/json", routing: RoutingShape | None = None) -> Segment:
     async def main() -> Segment:
-        runner, url = await _serve([(body, content_type)])
+        runner, url = await serve(_answering([(body, content_type)]))
         client = SGLangClient(url, timeout_s=10, routing=routing)
         try:
             return await client.generate([1, 2], 4, [])
@@ -72,10 +65,10 @@ def _generate(body: str, content_type: str = "application/json", routing: Routin
     return asyncio.run(main())
 
 
-def test_a_well_formed_answer_parses():
-    assert _generate(json.dumps(GOOD)) == Segment([5, 7], [-0.5, -1.25], [2, 3], "stop")
+def test_a_well_formed_answer_parses(generate_server):
+    assert _generate(generate_server, json.dumps(GOOD)) == Segment([5, 7], [-0.5, -1.25], [2, 3], "stop")
     # A server without per-token spans: every token has the answer's one version.
-    assert _generate(_with({"weight_versions": None})).versions == [3, 3]
+    assert _generate(generate_server, _with({"weight_versions": None})).versions == [3, 3]
 
 
 GARBLED = [
@@ -111,17 +104,17 @@ GARBLED = [
 
 
 @pytest.mark.parametrize(("body", "content_type", "named"), GARBLED)
-def test_a_garbled_answer_is_a_request_error_naming_what_is_wrong(body, content_type, named):
+def test_a_garbled_answer_is_a_request_error_naming_what_is_wrong(generate_server, body, content_type, named):
     with pytest.raises(EngineRequestError) as error:
-        _generate(body, content_type)
+        _generate(generate_server, body, content_type)
     assert error.value.status == 200
     assert "/generate" in str(error.value) and named in str(error.value)
 
 
-def test_the_balancer_retries_a_garbled_answer_on_another_engine():
+def test_the_balancer_retries_a_garbled_answer_on_another_engine(generate_server):
     async def main() -> tuple[Segment, EngineBalancer]:
-        garbled, garbled_url = await _serve([(_with({"finish_reason": None}), "application/json")])
-        good, good_url = await _serve([(json.dumps(GOOD), "application/json")])
+        garbled, garbled_url = await generate_server(_answering([(_with({"finish_reason": None}), "application/json")]))
+        good, good_url = await generate_server(_answering([(json.dumps(GOOD), "application/json")]))
         clients = [SGLangClient(garbled_url, timeout_s=10), SGLangClient(good_url, timeout_s=10)]
         balancer = EngineBalancer(clients, SamplingConfig(), max_retries=1)
         try:
@@ -149,10 +142,10 @@ def _routed(ids: list[int]) -> str:
     return _with({"routed_experts": base64.b64encode(np.array(ids, dtype=np.int32).tobytes()).decode()})
 
 
-def test_routing_records_parse_into_compact_ids():
+def test_routing_records_parse_into_compact_ids(generate_server):
     """2 input + 2 output tokens: the engine ran 3 of them forward, 3 x 2 layers x top-2 ids."""
     ids = [0, 1, 2, 3, 3, 0, 1, 2, 0, 2, 1, 3]
-    segment = _generate(_routed(ids), routing=SHAPE)
+    segment = _generate(generate_server, _routed(ids), routing=SHAPE)
     assert segment.routing is not None and segment.routing.dtype.name == "uint8"
     assert segment.routing.reshape(-1).tolist() == ids and segment.routing.shape == (3, 2, 2)
 
@@ -167,7 +160,7 @@ def test_routing_records_parse_into_compact_ids():
         (_routed([0, 1, 2, 3, 3, 0, 1, 2, 0, 2, 1, 7]), "the model has 4 experts"),
     ],
 )
-def test_a_missing_or_misshapen_routing_record_is_a_request_error(body, named):
+def test_a_missing_or_misshapen_routing_record_is_a_request_error(generate_server, body, named):
     with pytest.raises(EngineRequestError) as error:
-        _generate(body, routing=SHAPE)
+        _generate(generate_server, body, routing=SHAPE)
     assert error.value.status == 200 and "routed_experts" in str(error.value) and named in str(error.value)
