@@ -30,12 +30,12 @@ import asyncio
 import base64
 import binascii
 import contextlib
-import json
 from collections.abc import Iterable
 from typing import Any, Literal
 
 import aiohttp
 import numpy as np
+import orjson
 
 from megatron_rl.config import SamplingConfig
 from megatron_rl.rollout.interruption import GenerateFn, Segment
@@ -86,6 +86,7 @@ class SyncError(RuntimeError):
 
 FinishReason = Literal["stop", "length", "abort"]
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+_JSON = {"Content-Type": "application/json"}
 
 
 def _parse_version(url: str, value: Any, field: str = "weight version") -> int:
@@ -184,13 +185,17 @@ class SGLangClient:
         retries = self.connect_retries if connect_retries is None else connect_retries
         for attempt in range(retries + 1):
             try:
-                async with session.request(method, f"{self.url}{path}", json=payload, timeout=timeout) as response:
-                    text = await response.text()
+                body = None if payload is None else orjson.dumps(payload)
+                async with session.request(
+                    method, f"{self.url}{path}", data=body, headers=_JSON if body else None, timeout=timeout
+                ) as response:
+                    raw = await response.read()
                     if response.status != 200:
+                        text = raw.decode(errors="replace")
                         raise EngineRequestError(
                             self.url, f"{path}: HTTP {response.status}: {text[:500]}", response.status
                         )
-                    return self._decode(path, text, response.content_type)
+                    return self._decode(path, raw, response.content_type)
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
                 # The connection was never established, so the request never reached the server: safe to retry.
                 if attempt == retries:
@@ -205,14 +210,17 @@ class SGLangClient:
                 raise EngineUnavailableError(self.url, f"{path}: {type(exc).__name__}: {exc}") from exc
         raise AssertionError("unreachable")
 
-    def _decode(self, path: str, text: str, content_type: str) -> Any:
-        if not text:
+    def _decode(self, path: str, raw: bytes, content_type: str) -> Any:
+        if not raw:
             return None
         if "json" not in content_type:
-            return text  # e.g. /flush_cache answers in plain text
+            return raw.decode(errors="replace")  # e.g. /flush_cache answers in plain text
         try:
-            return json.loads(text)
-        except json.JSONDecodeError as exc:
+            # orjson: a batch's answer (token ids and a [log-prob, id, text] triple per generated token) parses
+            # ~3x faster than with the json module, whose float parsing was ~40% of the driver's busy time.
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            text = raw.decode(errors="replace")
             raise EngineRequestError(self.url, f"{path}: invalid JSON ({exc}): {text[:500]}", 200) from exc
 
     async def post(self, path: str, payload: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
