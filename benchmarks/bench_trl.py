@@ -18,10 +18,17 @@ step-0 validation, same seed, 2026-11-26): 2 threads (`torch.set_num_threads`: 5
 gradient checkpointing off (TRL's default is on: it recomputes every layer's forward in the backward, 51.8
 steps/min, for memory this model does not need), the whole batch generated at once (`generation_batch_size` = the
 batch), validation in one `generate` call of all 1,024 sequences (10-step runs validating every 5 steps: 37.4
-steps/min, 36.4 at 512 per call, 34.9 at 128), fp32 as the recipe (TRL's default is bf16). What TRL cannot match,
-listed in the README's table: no interruption (its limit is the thinking + answer budget as one
-`max_completion_length`), the loss aggregated over the batch's tokens (`cispo` in TRL) where the recipe averages per
-prompt, on-policy training where the recipe runs PipelineRL-2. The optimizer matters most of all for how fast the
+steps/min, 36.4 at 512 per call, 34.9 at 128), fp32 as the recipe (TRL's default is bf16).
+
+Length control as the recipe's: TRL's generation is replaced through its `rollout_func` by the stack's own
+interruption controller (`megatron_rl.rollout.interruption.generate_completion`: a thinking budget drawn in
+[min_thinking_tokens, max_thinking_tokens], the lookahead, the injected phrase, the answer budget) over HF `generate`
+(`HFEngine`: the calls of one round batched), in training and in validation alike; the injected phrase is masked out
+of the loss (`env_mask`) and a completion whose answer budget ran out is left out of it
+(`mask_truncated_completions`, the recipe's `algo.truncated: exclude`). What TRL cannot match: its `cispo` loss
+averages over the batch's tokens where the recipe averages per prompt; zero-variance groups stay in its batch (with
+zero advantage) where the recipe drops them; a truncated completion still counts in its group's advantages; its
+steps are on-policy where the recipe's are PipelineRL-2. The optimizer matters most of all for how fast the
 pass rate rises: at TRL's own AdamW defaults (betas 0.9 / 0.999, epsilon 1e-8, no weight decay) TRL crossed 0.7 at
 step 50 of a 100-step run, at the recipe's (0.9 / 0.95, 1e-15, 0.01) at step 70 (2026-11-28, benchmarks/README.md).
 
@@ -35,20 +42,86 @@ Prints one line per validation, the steps per minute, start-up, and the time to 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
+import random
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from megatron_rl.config import load_config
-from megatron_rl.data.datasets import Prompt, load_splits
+from megatron_rl.data.datasets import load_splits
+from megatron_rl.orchestration.train import interruption_tokens
 from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rewards import score
+from megatron_rl.rollout.interruption import Generated, Segment, generate_completion
 from megatron_rl.rollout.pipeline import PromptEncoder
 
 RECIPE = "scalerl-cpu"
 PROCESS_START = time.time()
+
+
+class HFEngine:
+    """The stack's engine call (`GenerateFn`: input ids, max new tokens, stop ids -> Segment) over Hugging Face
+    `generate`, so the stack's own length control (`generate_completion`: thinking budget, lookahead, the injected
+    phrase, the answer budget) runs on TRL's model. The calls made in one turn of the event loop run as batched
+    `generate` calls of up to `batch` rows, sampled to the longest limit and each row cut at its own limit and at
+    its first stop token (kept): sampling is autoregressive, so that is the completion a call with the row's own
+    limit would have drawn."""
+
+    def __init__(self, model: Any, pad_id: int, temperature: float, batch: int) -> None:
+        self.model, self.pad_id, self.temperature, self.batch = model, pad_id, temperature, batch
+        self.pending: list[tuple[list[int], int, list[int], asyncio.Future[Segment]]] = []
+
+    async def __call__(self, input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
+        future: asyncio.Future[Segment] = asyncio.get_running_loop().create_future()
+        if not self.pending:  # runs once every completion has made its call of this turn
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.pending.append((input_ids, max_new_tokens, stop_ids, future))
+        return await future
+
+    def _flush(self) -> None:
+        calls, self.pending = self.pending, []
+        for start in range(0, len(calls), self.batch):
+            chunk = calls[start : start + self.batch]
+            for (_, limit, stop, future), segment in zip(chunk, self._generate(chunk), strict=True):
+                future.set_result(_cut(segment, limit, stop))
+
+    @torch.no_grad()
+    def _generate(self, calls: list[tuple[list[int], int, list[int], Any]]) -> list[Segment]:
+        width = max(len(ids) for ids, *_ in calls)
+        ids = torch.tensor([[self.pad_id] * (width - len(i)) + i for i, *_ in calls])
+        mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i, *_ in calls])
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            do_sample=True,
+            temperature=self.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=max(limit for _, limit, *_ in calls),
+            pad_token_id=self.pad_id,
+            eos_token_id=sorted({s for *_, stop, _ in calls for s in stop}),
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        tokens = out.sequences[:, width:]
+        logits = torch.stack(out.logits, dim=1).float() / self.temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return [
+            Segment(t.tolist(), lp.tolist(), [0] * len(t), "length") for t, lp in zip(tokens, logprobs, strict=True)
+        ]
+
+
+def _cut(segment: Segment, limit: int, stop: list[int]) -> Segment:
+    """The row as a call with `limit` new tokens and these stop tokens would have ended."""
+    tokens = segment.tokens[:limit]
+    end = next((i + 1 for i, t in enumerate(tokens) if t in stop), None)
+    n, finish = (end, "stop") if end is not None else (len(tokens), "length")
+    return Segment(tokens[:n], segment.logprobs[:n], segment.versions[:n], finish)
 
 
 def main() -> None:
@@ -64,6 +137,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, as for megatron-rl train")
     args = parser.parse_args()
 
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # `rollout_func` is marked experimental in TRL 1.16
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -85,8 +159,12 @@ def main() -> None:
     max_new = run.rollout.interruption.max_thinking_tokens + run.rollout.answer_tokens
 
     # The prompt as the chat-templated text the stack sends to SGLang, so TRL applies no template of its own.
+    dataset_ids = [encoder.encode(p) for p in train_prompts]
     dataset = Dataset.from_list(
-        [{"prompt": tokenizer.decode(encoder.encode(p)), "prompt_id": p.id} for p in train_prompts]
+        [
+            {"prompt": tokenizer.decode(ids), "prompt_id": p.id}
+            for ids, p in zip(dataset_ids, train_prompts, strict=True)
+        ]
     )
 
     def reward(completion_ids: list[list[int]], prompt_id: list[str], **_: object) -> list[float]:
@@ -94,36 +172,52 @@ def main() -> None:
         texts = [encoder.decode(ids) for ids in completion_ids]
         return [score(text, by_id[pid], run.rewards).reward for text, pid in zip(texts, prompt_id, strict=True)]
 
+    engine = HFEngine(model, tokenizer.pad_token_id, run.rollout.sampling.temperature, args.val_batch)
+    budgets = interruption_tokens(run, tokenizer)
+
+    def sample(prompt_ids: list[list[int]], rng: random.Random) -> list[Generated]:
+        """One completion per prompt, under the recipe's length control (interruption), batched on `engine`."""
+
+        async def all_of_them() -> list[Generated]:
+            seeds = [rng.random() for _ in prompt_ids]
+            return await asyncio.gather(
+                *(
+                    generate_completion(engine, ids, run.rollout, budgets, random.Random(seed), lambda: 0)
+                    for ids, seed in zip(prompt_ids, seeds, strict=True)
+                )
+            )
+
+        return asyncio.run(all_of_them())
+
     @torch.no_grad()
-    def validate() -> float:
+    def validate(step: int) -> float:
         was_training = model.training
         model.eval()
-        passed, n = 0, run.eval.samples_per_prompt
-        per_call = max(1, args.val_batch // n)
-        for start in range(0, len(val_prompts), per_call):
-            chunk: list[Prompt] = val_prompts[start : start + per_call]
-            enc = [encoder.encode(p) for p in chunk for _ in range(n)]
-            width = max(map(len, enc))
-            ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(e)) + e for e in enc])
-            mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in enc])
-            out = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
-                do_sample=True,
-                temperature=run.rollout.sampling.temperature,
-                top_k=0,
-                top_p=1.0,
-                max_new_tokens=max_new,
-                pad_token_id=tokenizer.pad_token_id,
-                eos_token_id=tokenizer.eos_token_id,
-            )
-            for row, prompt in zip(out, [p for p in chunk for _ in range(n)], strict=True):
-                tokens = row[width:].tolist()
-                if tokenizer.eos_token_id in tokens:
-                    tokens = tokens[: tokens.index(tokenizer.eos_token_id)]
-                passed += score(encoder.decode(tokens), prompt, run.rewards).passed
+        n = run.eval.samples_per_prompt
+        prompts = [p for p in val_prompts for _ in range(n)]
+        outs = sample([encoder.encode(p) for p in prompts], random.Random(run.seed * 1_000_003 + step))
+        passed = sum(score(encoder.decode(o.tokens), p, run.rewards).passed for o, p in zip(outs, prompts, strict=True))
         model.train(was_training)
-        return passed / (len(val_prompts) * n)
+        return passed / len(prompts)
+
+    ids_of_text = {text: ids for text, ids in zip(dataset["prompt"], dataset_ids, strict=True)}
+    rollout_rng = random.Random(run.seed)
+
+    @torch.no_grad()
+    def rollout(prompts: list[str], trainer: Any) -> dict[str, list]:
+        """TRL's generation replaced by the recipe's: each prompt entry (TRL repeats a prompt once per generation)
+        gets one completion under interruption; the injected phrase is masked out of the loss (`env_mask`)."""
+        was_training = model.training
+        model.eval()
+        prompt_ids = [ids_of_text[text] for text in prompts]
+        outs = sample(prompt_ids, rollout_rng)
+        model.train(was_training)
+        return {
+            "prompt_ids": prompt_ids,
+            "completion_ids": [o.tokens for o in outs],
+            "logprobs": [o.logprobs for o in outs],
+            "env_mask": [[int(m) for m in o.loss_mask] for o in outs],
+        }
 
     curve: list[dict[str, float]] = []
     clock: dict[str, float] = {}
@@ -140,7 +234,7 @@ def main() -> None:
                 self._validate(state.global_step)
 
         def _validate(self, step: int) -> None:
-            rate = validate()
+            rate = validate(step)
             wall = time.perf_counter() - clock["start"]
             curve.append({"step": step, "pass_rate": rate, "wall_s": wall})
             print(f"step {step:4d} | val {rate:.3f} | {wall:.0f} s", flush=True)
@@ -168,7 +262,8 @@ def main() -> None:
         per_device_train_batch_size=P * G,
         gradient_accumulation_steps=1,
         num_generations=G,
-        max_completion_length=max_new,
+        max_completion_length=max_new,  # unused for generation (`rollout` samples under the recipe's budgets)
+        mask_truncated_completions=run.algo.truncated == "exclude",  # the answer budget ran out: not trained on
         temperature=1.0,
         top_k=0,
         top_p=1.0,
@@ -188,6 +283,7 @@ def main() -> None:
         train_dataset=dataset,
         processing_class=tokenizer,
         callbacks=[Validation()],
+        rollout_func=rollout,
     )
     trainer.train()
     loop_s = time.perf_counter() - clock["start"]
