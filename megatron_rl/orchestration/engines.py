@@ -72,9 +72,6 @@ class EngineHost(Placed):
     def alive(self) -> bool:
         return self.server.alive()
 
-    def pid(self) -> int:
-        return self.server.pid or -1
-
     def stop(self) -> None:
         self.server.stop()
 
@@ -145,22 +142,17 @@ class RemoteEngine:
     async def alive(self) -> bool:
         return bool(await self.actor.alive.remote())
 
-    async def pid(self) -> int:
-        return int(await self.actor.pid.remote())
-
     async def stop(self) -> None:
         await self.actor.stop.remote()
 
 
 class LocalEngine:
-    """An engine whose server is the driver's child process (`local_engines`)."""
+    """An engine whose server is the driver's child process (`local_engines`), started by `LocalLaunch`."""
 
     def __init__(self, server: SGLangServer) -> None:
         self.server = server
 
     async def start(self) -> str:
-        if self.server.process is None:  # not started by LocalLaunch
-            self.server.start()
         await self.server.wait_ready()
         return self.server.url
 
@@ -170,9 +162,6 @@ class LocalEngine:
 
     async def alive(self) -> bool:
         return self.server.alive()
-
-    async def pid(self) -> int:
-        return self.server.pid or -1
 
     async def stop(self) -> None:
         await asyncio.to_thread(self.server.stop)

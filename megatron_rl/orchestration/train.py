@@ -391,10 +391,11 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     record_starting_model(run_dir, policy)
     check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0), local_engines=launch is not None)
     stop.install()  # over Ray's handler
-    wandb_run = _in_daemon_thread(start_wandb, run.logging, run_dir, run.name, dataclasses.asdict(run))
+    config = dataclasses.asdict(run)
+    wandb_run = _in_daemon_thread(start_wandb, run.logging, run_dir, run.name, config)
     # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
     # models while the engines start, the two longest parts of start-up, side by side.
-    trainers = TrainerGroup(run, dataclasses.asdict(run), wait=False)
+    trainers = TrainerGroup(run, config, wait=False)
     try:
         engines = EngineGroup(run, policy, run_dir, servers=launch.servers if launch is not None else None)
     except BaseException:
@@ -436,7 +437,6 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
         header.update(device_kind=run.compute.device_kind, devices=devices)
         header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
-        config = dataclasses.asdict(run)
         logger = MetricsLogger(run.logging, run_dir, header, config, resume_step=step, wandb_run=await wandb_run)
         return Parts(
             run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
