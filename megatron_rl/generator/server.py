@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import os
 import random
+import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import IO
@@ -106,12 +110,34 @@ def _port_is_free(host: str, port: int, reuse: bool = True) -> bool:
     return True
 
 
+RUN_TAG = "MEGATRON_RL_RUN_ID"
+"""The run id a driver tags its processes with (orchestration/reaper.py): it names the servers' scratch."""
+
+
+def scratch_prefix(run_id: str | None) -> str:
+    """The name a server's scratch directory starts with, in the system temp directory: `megatron_rl-<run
+    id>-sglang-` for a server of a tagged run, so a dead driver's reaper finds and removes them
+    (`megatron_rl-<run id>-*`, orchestration/reaper.py)."""
+    return f"megatron_rl-{run_id}-sglang-" if run_id else "megatron_rl-sglang-"
+
+
+def inductor_cache_dir() -> str:
+    """Where torch.compile keeps its cache by default (torch/_inductor/runtime/cache_dir_utils.py): in the temp
+    directory, per user. A server's scratch directory is its temp directory; the compile cache stays here so
+    that it outlives the server, as it did before."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+
+
 class SGLangServer:
-    """One `python -m sglang.launch_server` process group: its command line, port, log and lifetime.
+    """One `python -m sglang.launch_server` process group: its command line, port, log, scratch and lifetime.
 
     The server runs in its own session (process group), so `stop()` ends the HTTP process, the scheduler
     and the detokenizer together, also when the HTTP process died first. Output goes to `log_path`
-    (appended, one header line per start); errors quote its tail.
+    (appended, one header line per start); errors quote its tail. Each start gets a scratch directory as the
+    server's temp directory (TMPDIR), removed by `stop()`: SGLang names its ZMQ sockets after temp files it
+    never deletes (five per start in 0.5.23), which otherwise pile up in /tmp, a few per run and hundreds per
+    test session.
     """
 
     def __init__(
@@ -138,6 +164,8 @@ class SGLangServer:
         self.restarts = 0
         self.bind_retries = 0
         """Starts on a fresh port after the one given was taken before the server could bind it (`wait_ready`)."""
+        self.scratch: Path | None = None
+        """This start's temp directory (TMPDIR of the server's processes); None while stopped."""
         self.started_at = 0.0
         self.ready_seconds = 0.0
         """Seconds from the last start() to ready (set by wait_ready)."""
@@ -173,6 +201,9 @@ class SGLangServer:
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
+        if self.scratch is not None:
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir())
+            env["TMPDIR"] = str(self.scratch)
         env.setdefault("SGLANG_TIMEOUT_KEEP_ALIVE", str(SERVER_KEEPALIVE_S))
         # `/health` answers from the server's status (503 while it starts or warms up, 200 once up) instead of
         # generating one token: SGLang's generating probe sleeps a whole second before it looks for the token, so
@@ -199,6 +230,9 @@ class SGLangServer:
         self._log = self.log_path.open("ab")
         self._log_start = self._log.tell()
         command = self.command()
+        if self.scratch is not None:  # a start after the server died without a stop()
+            shutil.rmtree(self.scratch, ignore_errors=True)
+        self.scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix(os.environ.get(RUN_TAG))))
         self._log.write(f"\n=== megatron_rl: {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
         self._log.flush()
         self.started_at = time.monotonic()
@@ -279,7 +313,7 @@ class SGLangServer:
         self.start()
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """End the whole process group: SIGTERM, then SIGKILL after `grace_s`."""
+        """End the whole process group: SIGTERM, then SIGKILL after `grace_s`; then remove its scratch."""
         if self.process is not None:
             pgid = self.process.pid  # the leader of its own session: its pid is the group id
             with contextlib.suppress(ProcessLookupError):
@@ -295,6 +329,9 @@ class SGLangServer:
                 while self._group_alive(pgid) and time.monotonic() < deadline:
                     time.sleep(0.1)
             self.process = None
+        if self.scratch is not None:  # every process that used it has ended
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None
         if self._log is not None:
             self._log.close()
             self._log = None

@@ -8,16 +8,17 @@
 The driver tags its environment with a run id (`MEGATRON_RL_RUN_ID`) before it starts anything, so every
 process it starts inherits the tag: Ray's local head (GCS, raylet, the dashboard and runtime-env agents,
 the workers), the SGLang servers and their schedulers, the reward worker processes and the sandboxes they
-run. The watcher runs in a session of its own, without the tag, and blocks on the read end of a pipe
-whose write end only the driver holds. A driver that dies for any reason, SIGKILL included (the OOM
+run; the SGLang servers' scratch directories carry the run id in their names (`megatron_rl-<run id>-*` in
+the temp directory). The watcher runs in a session of its own, without the tag, and blocks on the read end
+of a pipe whose write end only the driver holds. A driver that dies for any reason, SIGKILL included (the OOM
 killer, a lost `scancel --signal=KILL`), closes the pipe: the watcher then SIGKILLs every process that
-carries the tag and every descendant of one, until none is left. Descendants count whatever their
-environment: Ray's raylet starts its dashboard and runtime-env agents with an environment of its own,
-without the tag. While the driver lives the watcher notes the run's processes every 2 s, so an orphan whose
-tagged parent died first is still ended. A driver that ends cleanly writes a byte first and the watcher exits
-without a sweep; the driver has shut down what it started (Ray included, if it started Ray) and waits for
-its processes to be gone, killing any straggler itself. Until then the watcher stands guard, so a driver
-killed in the middle of its own shutdown leaves nothing either.
+carries the tag and every descendant of one, until none is left, and removes the run's scratch directories.
+Descendants count whatever their environment: Ray's raylet starts its dashboard and runtime-env agents with
+an environment of its own, without the tag. While the driver lives the watcher notes the run's processes
+every 2 s, so an orphan whose tagged parent died first is still ended. A driver that ends cleanly writes a
+byte first and the watcher exits without a sweep; the driver has shut down what it started (Ray included,
+if it started Ray) and waits for its processes to be gone, killing any straggler itself. Until then the
+watcher stands guard, so a driver killed in the middle of its own shutdown leaves nothing either.
 
 Without the watcher, a SIGKILLed driver leaves Ray's dashboard and runtime-env agents and the reward
 workers running (measured on CPU: 5 of the 15 processes of a run; Ray's own fate sharing ends the rest).
@@ -33,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from multiprocessing import resource_tracker
@@ -170,6 +173,17 @@ def sweep(
     return list(killed.values())
 
 
+def remove_scratch(run_id: str) -> list[str]:
+    """Remove the run's scratch directories in the temp directory (`megatron_rl-<run id>-*`: the SGLang
+    servers' temp directories, generator/server.py), which a server's own stop() removes but a killed driver
+    never reaches; returns their paths."""
+    removed = []
+    for path in sorted(Path(tempfile.gettempdir()).glob(f"megatron_rl-{run_id}-*")):
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(str(path))
+    return removed
+
+
 SNAPSHOT_S = 2.0
 """While the driver lives, the watcher notes the run's processes this often (for `sweep`'s `known`)."""
 
@@ -195,6 +209,7 @@ def main(argv: list[str]) -> int:
     if CLEAN_EXIT in message:
         return 0
     killed = sweep(run_id, known=known)
+    remove_scratch(run_id)  # after the sweep: nothing of the run uses them any more
     if killed:
         print(f"megatron-rl: the driver died; ended {len(killed)} processes of its run", file=sys.stderr, flush=True)
     return 0

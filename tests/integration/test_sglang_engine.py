@@ -395,6 +395,8 @@ def test_interruption_through_the_engine_is_injected_and_masked(server):
 def test_killed_server_raises_typed_error_and_restart_recovers(server):
     """Last in the module: kills the shared server and brings it back through the balancer's hook."""
     assert server.alive()
+    first = server.scratch  # the temp directory of this start: SGLang's socket files are in it
+    assert first is not None and any(first.iterdir())
     os.killpg(server.pid, signal.SIGKILL)  # the whole process group: HTTP server, scheduler, detokenizer
     server.process.wait()
 
@@ -420,8 +422,10 @@ def test_killed_server_raises_typed_error_and_restart_recovers(server):
     assert len(segment.tokens) == 4 or segment.finish == "stop"
     assert failures == 1 and retries == 1 and server.restarts == 1
     assert version == 0  # a restarted engine serves its launch weights until the next sync
-    pgid = server.pid
+    assert not first.exists() and server.scratch is not None and server.scratch.is_dir()
+    second, pgid = server.scratch, server.pid
     server.stop()
+    assert server.scratch is None and not second.exists()  # nothing of the server left in the temp directory
     with pytest.raises(ProcessLookupError):
         os.killpg(pgid, 0)  # nothing of the server is left
     # A stop is not a crash: SGLang's crash diagnostics (5 s of sleep before a py-spy and CUDA dump) stay off on CPU.

@@ -15,7 +15,7 @@ import socket
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.generator.server import SGLangServer
+from megatron_rl.generator.server import SGLangServer, inductor_cache_dir, scratch_prefix
 from megatron_rl.plan import GIB, EngineMemory, make_plan
 
 GPU_MODELS = ["llama3_8b", "qwen3_8b", "qwen3_4b", "qwen3_30b_a3b", "llama4_scout_17bx16e"]
@@ -190,6 +190,22 @@ def test_a_cpu_engine_stops_without_crash_diagnostics_unless_asked(tmp_path, mon
     assert cpu.env()["SGLANG_PYSPY_DUMP_BEFORE_CRASH"] == "1"
     gpu = SGLangServer(tmp_path / "ckpt", dataclasses.replace(run.rollout.engine, device="cuda"), tmp_path / "g.log")
     assert "SGLANG_CUDA_COREDUMP_BEFORE_CRASH" not in gpu.env()
+
+
+def test_a_started_engine_keeps_its_temp_files_in_its_own_scratch(tmp_path, monkeypatch):
+    """A started server's processes take its scratch directory as their temp directory (SGLang's socket files go
+    there, and stop() removes it), while torch.compile's cache stays where it was, to outlive the server."""
+    run = load_config("scalerl-cpu")
+    server = SGLangServer(tmp_path / "ckpt", run.rollout.engine, tmp_path / "engine.log")
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert server.env()["TMPDIR"] == str(tmp_path)  # not started: nothing of its own
+    server.scratch = tmp_path / "scratch"
+    env = server.env()
+    assert env["TMPDIR"] == str(tmp_path / "scratch")
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == inductor_cache_dir()
+    assert scratch_prefix("abc") == "megatron_rl-abc-sglang-"  # what a dead driver's reaper removes
+    assert scratch_prefix(None).startswith("megatron_rl-")
 
 
 def test_engine_and_store_ports_come_from_below_the_ephemeral_range(monkeypatch):

@@ -9,6 +9,7 @@ them orphaned before the driver dies. Nothing is faked: the driver is SIGKILLed 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -21,10 +22,15 @@ import pytest
 
 DRIVER = textwrap.dedent(
     """
-    import subprocess, sys, time
+    import os, subprocess, sys, tempfile, time
+    from pathlib import Path
+    from megatron_rl.generator.server import RUN_TAG, scratch_prefix
     from megatron_rl.orchestration.reaper import Reaper
 
     reaper = Reaper.start()
+    # A server's scratch directory, as SGLangServer.start() makes one, with a file SGLang would leave in it.
+    scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix(os.environ[RUN_TAG])))
+    (scratch / "tmpzmqsocket").touch()
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     spawn = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:], start_new_session=True); time.sleep(600)"
     nested = [sys.executable, "-c", spawn, *sleeper]
@@ -38,6 +44,7 @@ DRIVER = textwrap.dedent(
     untagged = sleeper + [token]
     subprocess.Popen([sys.executable, "-c", clean + "; __import__('time').sleep(600)", "x", *untagged])
     subprocess.Popen([sys.executable, "-c", clean + "; __import__('time').sleep(5)", "x", *untagged])
+    print(scratch, flush=True)
     print(reaper.process.pid, *(c.pid for c in children), flush=True)
     if sys.argv[1] == "clean":
         reaper.stop()
@@ -81,12 +88,13 @@ def _with_token(token: str) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
-def _start_driver(mode: str, token: str = "-") -> tuple[subprocess.Popen, list[int]]:
+def _start_driver(mode: str, token: str = "-") -> tuple[subprocess.Popen, list[int], Path]:
     driver = subprocess.Popen(
         [sys.executable, "-c", DRIVER, mode, token], stdout=subprocess.PIPE, text=True, start_new_session=True
     )
+    scratch = Path(driver.stdout.readline().strip())
     reaper_pid, *children = map(int, driver.stdout.readline().split())
-    return driver, [reaper_pid, *children]
+    return driver, [reaper_pid, *children], scratch
 
 
 def _wait_until(condition, timeout_s: float = 20.0) -> bool:
@@ -100,7 +108,8 @@ def _wait_until(condition, timeout_s: float = 20.0) -> bool:
 
 def test_processes_started_by_a_sigkilled_driver_are_ended():
     token = f"untagged-{uuid.uuid4().hex}"
-    driver, (reaper, *children) = _start_driver("kill", token)
+    driver, (reaper, *children), scratch = _start_driver("kill", token)
+    assert scratch.is_dir() and scratch.name.startswith("megatron_rl-")
     tag = Path(f"/proc/{children[0]}/environ").read_bytes().split(b"MEGATRON_RL_RUN_ID=")[1].split(b"\0")[0]
     # two children and a grandchild (/proc shows the driver's environment as it was at exec: untagged), and
     # the spawner of an untagged grandchild that stays
@@ -119,16 +128,19 @@ def test_processes_started_by_a_sigkilled_driver_are_ended():
     assert _wait_until(lambda: late.poll() is not None, timeout_s=12), "a late process of the run outlived it"
     assert late.returncode == -signal.SIGKILL
     assert _wait_until(lambda: not _alive(reaper), timeout_s=20)  # the watcher leaves after its watch
+    assert not scratch.exists(), "the run's scratch directory outlived it"
 
 
 def test_a_clean_stop_leaves_the_processes_alone():
-    driver, (reaper, *children) = _start_driver("clean")
+    driver, (reaper, *children), scratch = _start_driver("clean")
     try:
         assert driver.stdout.readline().strip() == "stopped"
         assert _wait_until(lambda: not _alive(reaper))
         assert all(_alive(pid) for pid in children)
+        assert scratch.is_dir()  # a live run's servers remove their own
         assert "MEGATRON_RL_RUN_ID" not in os.environ
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
         for pid in children:
             os.kill(pid, signal.SIGKILL)
         os.killpg(driver.pid, signal.SIGKILL)
