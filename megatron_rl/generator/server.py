@@ -115,10 +115,25 @@ RUN_TAG = "MEGATRON_RL_RUN_ID"
 
 
 def scratch_prefix(run_id: str | None) -> str:
-    """The name a server's scratch directory starts with, in the system temp directory: `megatron_rl-<run
-    id>-sglang-` for a server of a tagged run, so a dead driver's reaper finds and removes them
-    (`megatron_rl-<run id>-*`, orchestration/reaper.py)."""
-    return f"megatron_rl-{run_id}-sglang-" if run_id else "megatron_rl-sglang-"
+    """The name a server's scratch directory starts with, in the system temp directory: `megatron_rl-<first 8
+    hex digits of the run id>-` for a server of a tagged run, so a dead driver's reaper finds and removes them
+    (orchestration/reaper.py). Short: SGLang's socket paths are made under it and a UNIX socket path has at most
+    107 bytes (a Slurm job's TMPDIR can be long)."""
+    return f"megatron_rl-{run_id[:8]}-" if run_id else "megatron_rl-"
+
+
+SOCKET_PATH_MAX = 107
+"""Linux's limit on a UNIX socket path (`sun_path`, 108 bytes with its NUL): ZMQ's ipc endpoints are such paths."""
+
+
+def make_scratch(run_id: str | None) -> Path | None:
+    """A fresh scratch directory for one server start, or None where SGLang's socket paths in it (a temp file
+    name, `tmp` + 8 characters) would be too long: the server then keeps the system temp directory."""
+    prefix = scratch_prefix(run_id)
+    longest = os.path.join(tempfile.gettempdir(), prefix + "x" * 8, "tmp" + "x" * 8)
+    if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
+        return None
+    return Path(tempfile.mkdtemp(prefix=prefix))
 
 
 def inductor_cache_dir() -> str:
@@ -232,7 +247,7 @@ class SGLangServer:
         command = self.command()
         if self.scratch is not None:  # a start after the server died without a stop()
             shutil.rmtree(self.scratch, ignore_errors=True)
-        self.scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix(os.environ.get(RUN_TAG))))
+        self.scratch = make_scratch(os.environ.get(RUN_TAG))
         self._log.write(f"\n=== megatron_rl: {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(command)}\n".encode())
         self._log.flush()
         self.started_at = time.monotonic()

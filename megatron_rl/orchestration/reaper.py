@@ -8,8 +8,8 @@
 The driver tags its environment with a run id (`MEGATRON_RL_RUN_ID`) before it starts anything, so every
 process it starts inherits the tag: Ray's local head (GCS, raylet, the dashboard and runtime-env agents,
 the workers), the SGLang servers and their schedulers, the reward worker processes and the sandboxes they
-run; the SGLang servers' scratch directories carry the run id in their names (`megatron_rl-<run id>-*` in
-the temp directory). The watcher runs in a session of its own, without the tag, and blocks on the read end
+run; the SGLang servers' scratch directories carry the run id in their names (`megatron_rl-<run id[:8]>-*`
+in the temp directory). The watcher runs in a session of its own, without the tag, and blocks on the read end
 of a pipe whose write end only the driver holds. A driver that dies for any reason, SIGKILL included (the OOM
 killer, a lost `scancel --signal=KILL`), closes the pipe: the watcher then SIGKILLs every process that
 carries the tag and every descendant of one, until none is left, and removes the run's scratch directories.
@@ -174,11 +174,11 @@ def sweep(
 
 
 def remove_scratch(run_id: str) -> list[str]:
-    """Remove the run's scratch directories in the temp directory (`megatron_rl-<run id>-*`: the SGLang
+    """Remove the run's scratch directories in the temp directory (`megatron_rl-<run id[:8]>-*`: the SGLang
     servers' temp directories, generator/server.py), which a server's own stop() removes but a killed driver
     never reaches; returns their paths."""
     removed = []
-    for path in sorted(Path(tempfile.gettempdir()).glob(f"megatron_rl-{run_id}-*")):
+    for path in sorted(Path(tempfile.gettempdir()).glob(f"megatron_rl-{run_id[:8]}-*")):
         shutil.rmtree(path, ignore_errors=True)
         removed.append(str(path))
     return removed

@@ -10,12 +10,21 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import shutil
 import socket
+import tempfile
+from pathlib import Path
 
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.generator.server import SGLangServer, inductor_cache_dir, scratch_prefix
+from megatron_rl.generator.server import (
+    SOCKET_PATH_MAX,
+    SGLangServer,
+    inductor_cache_dir,
+    make_scratch,
+    scratch_prefix,
+)
 from megatron_rl.plan import GIB, EngineMemory, make_plan
 
 GPU_MODELS = ["llama3_8b", "qwen3_8b", "qwen3_4b", "qwen3_30b_a3b", "llama4_scout_17bx16e"]
@@ -204,8 +213,20 @@ def test_a_started_engine_keeps_its_temp_files_in_its_own_scratch(tmp_path, monk
     env = server.env()
     assert env["TMPDIR"] == str(tmp_path / "scratch")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == inductor_cache_dir()
-    assert scratch_prefix("abc") == "megatron_rl-abc-sglang-"  # what a dead driver's reaper removes
-    assert scratch_prefix(None).startswith("megatron_rl-")
+    assert scratch_prefix("0123456789abcdef") == "megatron_rl-01234567-"  # what a dead driver's reaper removes
+    short = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # /tmp/tXXXXXXXX: room for SGLang's socket paths
+    try:
+        monkeypatch.setattr(tempfile, "tempdir", str(short))
+        made = make_scratch("0123456789abcdef")
+        assert made is not None and made.parent == short and made.name.startswith("megatron_rl-01234567-")
+        # Where SGLang's socket paths in a scratch would pass the 107 bytes of a UNIX socket path, there is none.
+        deep = short / ("d" * 60)
+        deep.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(deep))
+        assert len(str(deep)) + len("/megatron_rl-01234567-12345678/tmp12345678") > SOCKET_PATH_MAX
+        assert make_scratch("0123456789abcdef") is None
+    finally:
+        shutil.rmtree(short)
 
 
 def test_engine_and_store_ports_come_from_below_the_ephemeral_range(monkeypatch):
