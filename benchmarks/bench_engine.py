@@ -19,7 +19,8 @@ Variants differ only in SGLang's server flags:
 
 Prints one table: requests/s, generated tokens/s, wall seconds, and the CPU milliseconds per request of the
 HTTP server process and of the engine's other processes (the scheduler and the detokenizer): on the loop's
-2 cores the engine's CPU, not its wall time alone, is what the trainer competes with. Compare tokens/s with the loop's `train/tokens` rate (benchmarks/README.md, "Default run").
+2 cores the engine's CPU, not its wall time alone, is what the trainer competes with. Compare tokens/s with the
+loop's `train/tokens` rate (benchmarks/README.md, "Default run").
 """
 
 from __future__ import annotations
