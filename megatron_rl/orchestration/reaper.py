@@ -173,15 +173,12 @@ def sweep(
     return list(killed.values())
 
 
-def remove_scratch(run_id: str) -> list[str]:
+def remove_scratch(run_id: str) -> None:
     """Remove the run's scratch directories in the temp directory (`megatron_rl-<run id[:8]>-*`: the SGLang
-    servers' temp directories, generator/server.py), which a server's own stop() removes but a killed driver
-    never reaches; returns their paths."""
-    removed = []
-    for path in sorted(Path(tempfile.gettempdir()).glob(f"megatron_rl-{run_id[:8]}-*")):
+    servers' temp directories, generator/server.py `scratch_prefix`), which a server's own stop() removes but a
+    killed driver never reaches."""
+    for path in Path(tempfile.gettempdir()).glob(f"megatron_rl-{run_id[:8]}-*"):
         shutil.rmtree(path, ignore_errors=True)
-        removed.append(str(path))
-    return removed
 
 
 SNAPSHOT_S = 2.0

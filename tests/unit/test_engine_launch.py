@@ -214,7 +214,7 @@ def test_a_started_engine_keeps_its_temp_files_in_its_own_scratch(tmp_path, monk
     assert env["TMPDIR"] == str(tmp_path / "scratch")
     assert env["TORCHINDUCTOR_CACHE_DIR"] == inductor_cache_dir()
     assert scratch_prefix("0123456789abcdef") == "megatron_rl-01234567-"  # what a dead driver's reaper removes
-    short = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # /tmp/tXXXXXXXX: room for SGLang's socket paths
+    short = Path(tempfile.mkdtemp(prefix="t", dir="/tmp"))  # a short temp path: room for SGLang's socket paths
     try:
         monkeypatch.setattr(tempfile, "tempdir", str(short))
         made = make_scratch("0123456789abcdef")

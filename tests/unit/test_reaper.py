@@ -22,14 +22,13 @@ import pytest
 
 DRIVER = textwrap.dedent(
     """
-    import os, subprocess, sys, tempfile, time
-    from pathlib import Path
-    from megatron_rl.generator.server import RUN_TAG, scratch_prefix
+    import os, subprocess, sys, time
+    from megatron_rl.generator.server import RUN_TAG, make_scratch
     from megatron_rl.orchestration.reaper import Reaper
 
     reaper = Reaper.start()
     # A server's scratch directory, as SGLangServer.start() makes one, with a file SGLang would leave in it.
-    scratch = Path(tempfile.mkdtemp(prefix=scratch_prefix(os.environ[RUN_TAG])))
+    scratch = make_scratch(os.environ[RUN_TAG])
     (scratch / "tmpzmqsocket").touch()
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     spawn = "import subprocess, sys, time; subprocess.Popen(sys.argv[1:], start_new_session=True); time.sleep(600)"
