@@ -11,7 +11,12 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from megatron_rl.data.assert_tests import plan_asserts
+from megatron_rl.data.assert_tests import check_judged
+
+STDOUT_COMPARES = ("float", "decimal", "lines")
+"""How stdin/stdout outputs compare (rewards/code.py `outputs_match`): 'float' (the default: APPS/TACO's rule,
+numbers within np.allclose's tolerance), 'decimal' (LiveCodeBench's: numbers equal as decimals), 'lines'
+(whitespace-normalised lines equal as text)."""
 
 
 def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -55,11 +60,7 @@ def normalise_tests(tests: dict[str, Any] | list[dict[str, Any]]) -> dict[str, A
 
 def _check_tests(tests: dict[str, Any]) -> None:
     if "asserts" in tests:
-        if not isinstance(tests["asserts"], list) or not tests["asserts"]:
-            raise ValueError("code tests: 'asserts' must be a non-empty list of statements")
-        if not all(isinstance(statement, str) for statement in tests["asserts"]):
-            raise ValueError("code tests: 'asserts' must be statements as strings")
-        plan_asserts(tests["asserts"])  # judged outside the sandbox: refuse at load what cannot be
+        check_judged(tests)  # run as written in the judge's process: refused only when not Python
         return
     if "inputs" not in tests or "outputs" not in tests:
         raise ValueError(
@@ -68,6 +69,8 @@ def _check_tests(tests: dict[str, Any]) -> None:
     if not tests["inputs"] or len(tests["inputs"]) != len(tests["outputs"]):
         counts = f"{len(tests['inputs'])} inputs, {len(tests['outputs'])} outputs"
         raise ValueError(f"code tests need as many outputs as inputs, at least one; got {counts}")
+    if tests.get("compare", "float") not in STDOUT_COMPARES:
+        raise ValueError(f"code tests: 'compare' must be one of {list(STDOUT_COMPARES)}, got {tests['compare']!r}")
     if tests.get("fn_name"):
         for index, args in enumerate(tests["inputs"]):
             if not isinstance(args, list):

@@ -76,7 +76,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import psutil
@@ -243,15 +243,37 @@ class Sandbox:
 
         Blocks the calling thread for at most about `wall_time_s`.
         """
+        contents = self._contents(program, files)
+        limits = _limits(self.cfg, self.isolated)
+        if self.isolated:
+            return _run_isolated(self.cfg, self.python, self.python_binds, contents, limits, stdin)
+        return _run_unisolated(self.cfg, self.python, contents, limits, stdin)
+
+    def start(self, program: str, files: Mapping[str, str | bytes] | None = None) -> Session:
+        """Start `program` as a `Session` the caller talks to over its stdin and stdout (rewards/judge.py)."""
+        contents = self._contents(program, files)
+        limits = _limits(self.cfg, self.isolated)
+        if self.isolated:
+            proc, cgroups, group = _launch_isolated(
+                self.cfg, self.python, self.python_binds, contents, limits, subprocess.PIPE
+            )
+            return Session(self.cfg, proc, cgroups, group)
+        root = tempfile.mkdtemp(prefix="megatron_rl_unisolated_")
+        try:
+            proc = _launch_unisolated(self.python, contents, limits, root, subprocess.PIPE)
+        except BaseException:
+            shutil.rmtree(root, ignore_errors=True)
+            raise
+        return Session(self.cfg, proc, None, None, cleanup=lambda: shutil.rmtree(root, ignore_errors=True))
+
+    @staticmethod
+    def _contents(program: str, files: Mapping[str, str | bytes] | None) -> dict[str, bytes]:
         contents: dict[str, bytes] = {"_launcher.py": LAUNCHER.encode(), "main.py": program.encode()}
         for name, data in (files or {}).items():
             if "/" in name or name.startswith(".") or name in contents:
                 raise ValueError(f"sandbox file name {name!r} must be a plain name other than {list(contents)}")
             contents[name] = data.encode() if isinstance(data, str) else data
-        limits = _limits(self.cfg, self.isolated)
-        if self.isolated:
-            return _run_isolated(self.cfg, self.python, self.python_binds, contents, limits, stdin)
-        return _run_unisolated(self.cfg, self.python, contents, limits, stdin)
+        return contents
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -260,10 +282,32 @@ class Sandbox:
 def _run_isolated(
     cfg: SandboxConfig, python: str, python_binds: list[str], contents: dict[str, bytes], limits: str, stdin: bytes
 ) -> RunResult:
+    stdin_fd = _memfd("stdin", stdin)
+    try:
+        proc, cgroups, group = _launch_isolated(cfg, python, python_binds, contents, limits, stdin_fd)
+    finally:
+        os.close(stdin_fd)
+    try:
+        result = _supervise(cfg, proc)
+        # Any OOM kill means the sandbox went over its memory, even if the program survived the loss of a
+        # child and exited 0.
+        oom = group is not None and cgroups is not None and cgroups.oom_killed(group)
+        if oom and result.status in ("ok", "crash"):
+            result.status = "memory"
+        return result
+    finally:
+        if cgroups is not None and group is not None:
+            cgroups.remove(group)
+
+
+def _launch_isolated(
+    cfg: SandboxConfig, python: str, python_binds: list[str], contents: dict[str, bytes], limits: str, stdin: int
+) -> tuple[subprocess.Popen[bytes], _Cgroups | None, list[str] | None]:
+    """Start the program in bwrap (in its own cgroup when there is one), stdout and stderr piped; `stdin` is an
+    fd or subprocess.PIPE. Returns once it runs: the process, and the cgroup manager and group to remove."""
     # Files and stdin travel as memfds: bwrap copies each into the sandbox's /sandbox, nothing touches the
     # host disk, and no host path has to be readable by the sandbox uid.
     fds = {name: _memfd(name, data) for name, data in contents.items()}
-    stdin_fd = _memfd("stdin", stdin)
     argv = bwrap_argv(python, python_binds, fds) + [limits, "/sandbox", "main.py"]
     cgroups = _cgroups()
     group = cgroups.create(cfg) if cgroups is not None else None
@@ -275,7 +319,7 @@ def _run_isolated(
     try:
         proc = subprocess.Popen(
             argv,
-            stdin=stdin_fd,
+            stdin=stdin,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             pass_fds=tuple(fds.values()),
@@ -287,11 +331,15 @@ def _run_isolated(
             group=SANDBOX_UID if as_root else None,
             extra_groups=[] if as_root else None,
         )
+    except BaseException:
+        if cgroups is not None and group is not None:
+            cgroups.remove(group)
+        raise
     finally:
-        for fd in (*fds.values(), stdin_fd):
+        for fd in fds.values():
             os.close(fd)
     if group is None:
-        return _supervise(cfg, proc)
+        return proc, cgroups, group
     assert cgroups is not None
     try:
         _, status = os.waitpid(proc.pid, os.WUNTRACED)
@@ -300,20 +348,72 @@ def _run_isolated(
             raise OSError(f"the sandbox's shell exited before starting bwrap (status {proc.returncode})")
         cgroups.attach(group, proc.pid)
         os.kill(proc.pid, signal.SIGCONT)
-        result = _supervise(cfg, proc)
-        # Any OOM kill means the sandbox went over its memory, even if the program survived the loss of a
-        # child and exited 0.
-        if result.status in ("ok", "crash") and cgroups.oom_killed(group):
-            result.status = "memory"
-        return result
-    finally:
+    except BaseException:
         if proc.returncode is None:  # attaching failed: the stopped shell never started bwrap
             proc.kill()
             proc.wait()
-        for pipe in (proc.stdout, proc.stderr):
-            assert pipe is not None
-            pipe.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
         cgroups.remove(group)
+        raise
+    return proc, cgroups, group
+
+
+class Session:
+    """A sandboxed program the host talks to while it runs: it writes to the program's stdin and reads its
+    stdout (the code judge's two processes, rewards/judge.py). Same isolation and rlimits as `Sandbox.run`; the
+    caller enforces wall time and output size and then calls `finish`, which kills what still runs, reaps it
+    and classifies how it ended."""
+
+    def __init__(
+        self,
+        cfg: SandboxConfig,
+        proc: subprocess.Popen[bytes],
+        cgroups: _Cgroups | None,
+        group: list[str] | None,
+        cleanup: Callable[[], None] | None = None,
+    ) -> None:
+        self.cfg, self.proc, self._cgroups, self._group, self._cleanup = cfg, proc, cgroups, group, cleanup
+        self.start = time.monotonic()
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        self.stdin, self.stdout, self.stderr = proc.stdin.fileno(), proc.stdout.fileno(), proc.stderr.fileno()
+        os.set_blocking(self.stdout, False)
+        os.set_blocking(self.stderr, False)
+        self.pidfd = os.pidfd_open(proc.pid)
+        self._result: RunResult | None = None
+
+    def finish(self, limit_hit: str = "", stderr: bytes = b"") -> RunResult:
+        """Kill the program if it still runs (or `limit_hit`: 'timeout' or 'output_limit' is then its status),
+        reap it, remove its cgroup. Idempotent."""
+        if self._result is not None:
+            return self._result
+        proc = self.proc
+        waited = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if waited is None:
+            _kill_tree(proc.pid)
+            limit_hit = limit_hit or "crash"
+        _, status_word, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status_word)
+        for fd in (self.pidfd,):
+            os.close(fd)
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                with contextlib.suppress(OSError):
+                    pipe.close()
+        cpu_s = usage.ru_utime + usage.ru_stime
+        wall_s = time.monotonic() - self.start
+        code = proc.returncode if proc.returncode >= 0 else 128 - proc.returncode
+        status = limit_hit if waited is None or limit_hit else _classify(self.cfg, code, cpu_s)
+        if self._cgroups is not None and self._group is not None:
+            if status in ("ok", "crash") and self._cgroups.oom_killed(self._group):
+                status = "memory"
+            self._cgroups.remove(self._group)
+        if self._cleanup is not None:
+            self._cleanup()
+        tail = stderr[-STDERR_TAIL_BYTES:]
+        self._result = RunResult(status, None if waited is None else code, b"", tail, cpu_s, wall_s)
+        return self._result
 
 
 class _Cgroups:
@@ -446,27 +546,33 @@ def _run_unisolated(
     cfg: SandboxConfig, python: str, contents: dict[str, bytes], limits: str, stdin: bytes
 ) -> RunResult:
     with tempfile.TemporaryDirectory(prefix="megatron_rl_unisolated_") as root:
-        code_dir = os.path.join(root, "sandbox")
-        scratch = os.path.join(root, "tmp")
-        os.mkdir(code_dir)
-        os.mkdir(scratch)
-        for name, data in contents.items():
-            with open(os.path.join(code_dir, name), "wb") as f:
-                f.write(data)
         stdin_fd = _memfd("stdin", stdin)
         try:
-            proc = subprocess.Popen(
-                [python, "-I", os.path.join(code_dir, "_launcher.py"), limits, code_dir, "main.py"],
-                stdin=stdin_fd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=scratch,
-                env={"PATH": "/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"},
-                start_new_session=True,
-            )
+            proc = _launch_unisolated(python, contents, limits, root, stdin_fd)
         finally:
             os.close(stdin_fd)
         return _supervise(cfg, proc)
+
+
+def _launch_unisolated(
+    python: str, contents: dict[str, bytes], limits: str, root: str, stdin: int
+) -> subprocess.Popen[bytes]:
+    code_dir = os.path.join(root, "sandbox")
+    scratch = os.path.join(root, "tmp")
+    os.mkdir(code_dir)
+    os.mkdir(scratch)
+    for name, data in contents.items():
+        with open(os.path.join(code_dir, name), "wb") as f:
+            f.write(data)
+    return subprocess.Popen(
+        [python, "-I", os.path.join(code_dir, "_launcher.py"), limits, code_dir, "main.py"],
+        stdin=stdin,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=scratch,
+        env={"PATH": "/usr/bin:/bin", "HOME": scratch, "LANG": "C.UTF-8"},
+        start_new_session=True,
+    )
 
 
 def _supervise(cfg: SandboxConfig, proc: subprocess.Popen[bytes]) -> RunResult:
