@@ -42,7 +42,10 @@ def from_case_list(cases: list[dict[str, Any]]) -> dict[str, Any]:
     if "functional" in testtypes and not fn_name:
         raise ValueError("code tests: a functional case list needs metadata.func_name")
     if not fn_name:
-        return {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
+        tests = {"inputs": [c["input"] for c in cases], "outputs": [c["output"] for c in cases]}
+        if "stdin" in testtypes:  # LiveCodeBench's schema: its grade_stdio compares numbers as decimals
+            tests["compare"] = "decimal"
+        return tests
     inputs = [_functional_args(case["input"], index) for index, case in enumerate(cases)]
     outputs = [_json(case["output"], index, "output") for index, case in enumerate(cases)]
     return {"fn_name": fn_name, "inputs": inputs, "outputs": outputs}

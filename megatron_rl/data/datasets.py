@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.config import DataConfig, DatasetConfig
+from megatron_rl.data.code_sets import code_row
 from megatron_rl.data.code_tests import normalise_tests
 from megatron_rl.data.synthetic import SYNTHETIC_TASKS
 
@@ -65,6 +66,11 @@ def parse_row(row: Any, task: str, source: str, index: int, line: int | None = N
     where = f"{source}: row {index + 1 if line is None else line}"
     if not isinstance(row, dict):
         raise DatasetError(f"{where}: expected an object with fields {list(SCHEMAS[task])}, got {type(row).__name__}")
+    if task == "code":  # published code sets (HumanEval, MBPP, EvalPlus, LiveCodeBench) read in their own schemas
+        try:
+            row = code_row(row)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise DatasetError(f"{where}: {type(exc).__name__}: {exc}") from None
     values = {}
     for name, aliases in SCHEMAS[task].items():
         value = _field(row, aliases)
