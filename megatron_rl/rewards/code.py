@@ -58,7 +58,7 @@ from megatron_rl.data.code_tests import normalise_tests
 from megatron_rl.rewards.judge import judge, value_limits
 from megatron_rl.rewards.math import RewardResult, answer_part
 from megatron_rl.rewards.sandbox import EXIT_COMPILE_ERROR, EXIT_MEMORY, RunResult, get_sandbox
-from megatron_rl.rewards.values import Limits, ValueLimit, decode
+from megatron_rl.rewards.values import Limits, ValueLimit, decode, encode
 
 FAILURES = ("no_code", "compile_error", "wrong_answer", "timeout", "memory", "crash", "output_limit")
 
@@ -106,7 +106,7 @@ def main():
         raise NameError("no function or Solution method named " + spec["fn_name"])
     for case in spec["cases"]:
         try:
-            line = json.dumps({"ok": True, "value": values.encode(fn(*case), limits, opaque)})
+            line = json.dumps({"ok": True, "value": values.encode(fn(*values.decode(case, limits)), limits, opaque)})
         except MemoryError:
             os._exit(MEMORY)
         except values.ValueLimit:
@@ -314,7 +314,8 @@ def _harness_records(
     """(ok, decoded value or error name) per line the harness wrote, and how the run ended for the cases it did
     not report. A line that is not a well-formed record ends the records there (as a crash)."""
     limits = value_limits(cfg.sandbox)
-    spec = {"fn_name": fn_name, "cases": cases, "limits": limits}
+    # Arguments cross tagged (rewards/values.py), so int-keyed dicts and tuples arrive as they are.
+    spec = {"fn_name": fn_name, "cases": [encode(case, Limits(**limits)) for case in cases], "limits": limits}
     files = {"solution.py": program, "cases.json": json.dumps(spec), "values.py": _VALUES_SOURCE}
     result = get_sandbox(cfg.sandbox).run(HARNESS, files=files)
     ended = _failure(result) or "crash"  # exited 0 before reporting every case: it cut the harness short

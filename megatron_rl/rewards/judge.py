@@ -39,12 +39,8 @@ from megatron_rl.rewards.sandbox import RunResult, Session, get_sandbox
 _HERE = Path(__file__).parent
 JUDGE_SOURCE = (_HERE / "judge_runtime.py").read_text()
 SOLUTION_SOURCE = (_HERE / "solution_runtime.py").read_text()
-_SHARED = {"values.py": (_HERE / "values.py").read_text()}
-_JUDGE_FILES = {
-    **_SHARED,
-    "judge_pytest.py": (_HERE / "judge_pytest.py").read_text(),
-    "judge_numpy.py": (_HERE / "judge_numpy.py").read_text(),
-}
+_SHARED = {"values.py": (_HERE / "values.py").read_text(), "judge_pytest.py": (_HERE / "judge_pytest.py").read_text()}
+_JUDGE_FILES = {**_SHARED, "judge_numpy.py": (_HERE / "judge_numpy.py").read_text()}
 
 VALUE_DEPTH = 64
 """Nesting depth of one value crossing between the two processes."""
