@@ -52,3 +52,15 @@ def pushed_every_step():
         return held and steps[-1]["sync/bytes"] > 0
 
     return check
+
+
+@pytest.fixture(scope="session")
+def trained_policy():
+    """The CPU recipe's starting policy: the tiny Llama warmed up on worked solutions (a trained Hugging Face
+    checkpoint, not random weights), built once per machine and cached (orchestration/warmstart.py, ~2 min)."""
+    from megatron_rl.config import load_config
+    from megatron_rl.data.datasets import load_splits
+    from megatron_rl.orchestration.warmstart import prepare_policy
+
+    run = load_config("scalerl-cpu", None, [])
+    return prepare_policy(run, load_splits(run.data))

@@ -305,6 +305,8 @@ def load_checkpoint(trainer: Trainer, path: Path, model_only: bool = False) -> d
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.trainer.optimizer import restore_adam_steps
+
     path = Path(path)
     if not (path / "run_state.pt").exists():
         raise FileNotFoundError(f"{path}: not a megatron_rl checkpoint (run_state.pt missing)")
@@ -331,6 +333,7 @@ def load_checkpoint(trainer: Trainer, path: Path, model_only: bool = False) -> d
         trainer.model.load_state_dict(state["model"])
         if not model_only:
             trainer.optimizer.load_state_dict(state["optimizer"])
+            restore_adam_steps(trainer.optimizer)
         else:
             trainer.optimizer.reload_model_params()
     rank = dist.get_rank() if dist.is_initialized() else 0

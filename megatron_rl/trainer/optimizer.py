@@ -25,6 +25,19 @@ megatron-core 0.19.2 assumes every parameter of a parameter group has the body's
    and fp32 copies, so the device Adam skipped the head. It is handed its gradient before each update.
 4. With offload, loading a checkpoint looked up an fp32 copy for every parameter and raised a KeyError on the
    fp32 ones, which have none: only the parameters with a copy are refreshed.
+5. With offload, the hybrid optimizer clones the parameters it offloads when it is built, and
+   `reload_model_params()` (called after weights are loaded from a Hugging Face start or a model-only checkpoint)
+   refreshes only the fp32 copies of low-precision parameters: the host copy of an fp32 parameter (every one of an
+   fp32 model; the FP32 LM head of a bf16 one) kept the weights of the build, and the first step copied them back
+   over the loaded ones (a policy started from a checkpoint was back to its random init at step 2; the same
+   defect as Megatron-LM PR #5071 and Megatron-Bridge PR #4082). Every copy is refreshed from its parameter.
+6. Resuming with torch's Adam (no Apex or Transformer Engine: CPU, and the offloaded share on GPUs) restored the
+   step counts of Adam's bias correction from the optimizer as it was before the load: the dp-reshardable
+   parameter state carries each `step` as a local, non-persistent value, copied over the saved count (which
+   megatron keeps in the parameter groups), into one tensor every parameter shared, so that each update
+   advanced it once per parameter. The first step after a resume then moved every weight by ~1.4x or ~0.7x of
+   what the uninterrupted run did (its loss still matched; the next one did not). `restore_adam_steps` gives
+   each parameter its own count, the saved one, after every load.
 """
 
 from __future__ import annotations
@@ -64,6 +77,34 @@ def build_optimizer(run: Any, ddp: Any) -> Any:
     if opt.cpu_offload:
         repair(optimizer)
     return optimizer
+
+
+def restore_adam_steps(optimizer: Any) -> int:
+    """Gap 6: after a checkpoint load, each parameter's Adam step count set to the saved one (its parameter group's
+    `step`), in a tensor of its own; returns how many states it set. Optimizers that keep the count in the group
+    alone (Transformer Engine's and Apex's fused Adam) have no per-parameter `step` and are left as they are."""
+    restored = 0
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer = getattr(inner, "optimizer", None)
+        if torch_optimizer is None:
+            continue
+        for group in torch_optimizer.param_groups:
+            if "step" not in group:
+                continue
+            for param in group["params"]:
+                state = torch_optimizer.state.get(param)
+                if state and "step" in state:
+                    old = state["step"]
+                    state["step"] = torch.tensor(float(group["step"]), dtype=old.dtype, device=old.device)
+                    restored += 1
+        hybrid_sync = getattr(torch_optimizer, "_sync_hdo_state_to_sub_optimizers", None)
+        if hybrid_sync is not None and restored:  # the offloaded optimizer's parts share these state dicts
+            for sub in torch_optimizer.sub_optimizers:
+                for param in list(sub.state):
+                    original = torch_optimizer.inner_param_to_orig_param.get(param, param)
+                    if original in torch_optimizer.state:
+                        sub.state[param]["step"] = torch_optimizer.state[original]["step"]
+    return restored
 
 
 def _index_in_inner_order(distributed: Any) -> None:
@@ -118,7 +159,7 @@ def building(offload: bool) -> Iterator[None]:
 
 
 def repair(optimizer: Any) -> int:
-    """Close gaps 3 and 4 in every HybridDeviceOptimizer inside megatron's (chained) optimizer; returns how many it
+    """Close gaps 3 to 5 in every HybridDeviceOptimizer inside megatron's (chained) optimizer; returns how many it
     found."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
@@ -128,6 +169,7 @@ def repair(optimizer: Any) -> int:
         if isinstance(hybrid, HybridDeviceOptimizer):
             hybrid._set_sub_optimizer_grads = _with_device_fp32_grads(hybrid, hybrid._set_sub_optimizer_grads)
             hybrid._update_fp32_params_by_new_state = lambda hybrid=hybrid: _update_fp32_copies(hybrid)
+            hybrid.update_fp32_param_by_new_param = lambda hybrid=hybrid: refresh_copies(hybrid)
             found += 1
     return found
 
@@ -143,6 +185,17 @@ def _with_device_fp32_grads(hybrid: Any, original: Any) -> Any:
                     param.grad = getattr(param, "decoupled_grad", None)
 
     return set_grads
+
+
+def refresh_copies(hybrid: Any) -> None:
+    """Every copy the hybrid optimizer keeps of a parameter (its fp32 copy, its host copy, or both in one) set to the
+    parameter's current value (gap 5): what megatron's `update_fp32_param_by_new_param` does for fp32 copies only."""
+    with torch.no_grad():
+        for param, copy in hybrid.param_to_fp32_param.items():
+            copy.copy_(param)
+        for param, copy in hybrid.gpu_params_map_cpu_copy.items():
+            if param not in hybrid.param_to_fp32_param:  # a host copy of an fp32 parameter
+                copy.copy_(param)
 
 
 def _update_fp32_copies(hybrid: Any) -> None:
