@@ -1,19 +1,25 @@
 """Code rewards a policy cannot forge: every attempt to make the harness report success without computing the
-right values scores as a failure, in the real bubblewrap sandbox, while HumanEval-style tests of canonical
+right values scores as a failure, in the real bubblewrap sandboxes, while HumanEval-style tests of canonical
 solutions (loops, tolerances, `is None`, tuples, sets, dicts, `not`) still pass and wrong solutions still fail.
 
 The attacks are those an RL policy optimising against the reward could find: writing the harness's report
 itself (on every open descriptor, through /proc/self/fd, through the harness's frames), exiting early after a
 fabricated report, rewriting the harness's globals, `json` or the builtins, returning objects whose `==` (or
-truth, or `!=`) always answers as the test wants, and reading the expected values from the sandbox's files.
+truth, or `!=`) always answers as the test wants, and reading the expected values from the sandbox's files;
+against judged tests also shadowing the builtins and prompt helpers the test relies on, defining `pytest`,
+returning NaN to a tolerance check, raising where the test catches, and attacking the channel between the
+judge's process and the solution's (values too large or too deep, replies out of turn or from threads, handles
+forged or used later, a solution that never answers).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from megatron_rl.config import RewardsConfig, SandboxConfig
-from megatron_rl.data.assert_tests import UnsupportedTest, plan_asserts
+from megatron_rl.data.assert_tests import UnsupportedTest, check_judged
 from megatron_rl.rewards.code import code_reward
 from megatron_rl.rewards.sandbox import isolation_problem
 
@@ -153,7 +159,7 @@ def has_close_elements(numbers, threshold):
         [
             "assert truncate_number(3.5) == 0.5",
             "assert abs(truncate_number(1.33) - 0.33) < 1e-6",
-            "assert math.isclose(truncate_number(123.456), 0.456, abs_tol=1e-6)",
+            "import math\nassert math.isclose(truncate_number(123.456), 0.456, abs_tol=1e-6)",
         ],
     ),
     "sum_product": (
@@ -211,22 +217,180 @@ def test_humaneval_style_tests_pass_the_canonical_solution_and_fail_a_wrong_one(
     assert (bad.reward, bad.passed, bad.failure) == (CFG.incorrect, False, "wrong_answer"), problem
 
 
-def test_the_sandbox_never_sees_the_statements_or_their_expected_values():
-    plan = plan_asserts(ASSERTS["asserts"] + ["for n in range(2):\n    assert f(n) == 21 * n"])
-    assert [step.expr for step in plan.steps] == ["f(1)", "f(2)", "f(3)", "f(4)", "f(0)", "f(1)"]
-    assert not any(str(value) in step.expr for step in plan.steps for value in (21, 42, 0.0) if value)
+def test_the_solutions_process_never_sees_the_statements_or_their_expected_values():
+    program = """
+import json, os
+def f(x):
+    # Everything this process can read: its files and its own memory. None holds a statement or 21 * x.
+    seen = "".join(open(os.path.join("/sandbox", n)).read() for n in os.listdir("/sandbox"))
+    import gc
+    seen += repr([o for o in gc.get_objects() if isinstance(o, (str, dict))][:20000])
+    statement = "f(2) " + "== " + str(6 * 7)  # not in this program's own text
+    return 0 if statement in seen else 21 * x
+"""
+    assert code_reward(_fenced(program), ASSERTS, CFG).passed
 
 
-@pytest.mark.parametrize(
-    ("statement", "construct"),
-    [
-        ("def check(candidate):\n    assert candidate(1) == 2", "FunctionDef"),
-        ("import os\nassert f(1) == 2", "Import"),
-        ("while True:\n    assert f(1)", "While"),
-        ("assert {k: f(k) for k in range(2)} == {0: 0, 1: 21}", "DictComp"),
-        ("for x in f(3):\n    assert x", "loop over solution values"),
-    ],
-)
-def test_tests_that_could_only_be_judged_next_to_the_solution_are_refused_naming_the_construct(statement, construct):
-    with pytest.raises(UnsupportedTest, match=construct):
-        plan_asserts([statement])
+def test_only_text_that_is_not_python_is_refused():
+    check_judged({"asserts": ["def check(candidate):\n    assert candidate(1) == 2\ncheck(f)", "import os"]})
+    with pytest.raises(UnsupportedTest, match=r"asserts\[1\] is not Python"):
+        check_judged({"asserts": ["assert f(1) == 2", "assert f(1 =="]})
+
+
+# Judged tests attacked where the test leans on something other than the solution's values.
+JUDGED = {
+    "name-bound-expected": (
+        {"asserts": ["expected = 21 * 2", "assert f(2) == expected"]},
+        "expected = 0\nimport builtins\nbuiltins.expected = 0\ndef f(x):\n    return 0\n",
+    ),
+    "loop-pairs-visible": (
+        {"asserts": ["for x, want in [(1, 21), (2, 42), (3, 63)]:\n    assert f(x) == want"]},
+        """
+import sys, gc
+def f(x):
+    frame = sys._getframe()
+    while frame is not None:  # look for the test's `want` in any frame, as an old harness exposed it
+        if "want" in frame.f_locals:
+            return frame.f_locals["want"]
+        frame = frame.f_back
+    ints = [o for o in gc.get_objects() if isinstance(o, tuple) and len(o) == 2 and o[0] == x]
+    return ints[0][1] if ints else 0
+""",
+    ),
+    "helper-of-the-prompt-shadowed": (
+        {
+            "asserts": ["assert abs(poly([-2, 1], find_zero([-2, 1]))) < 1e-6"],
+            "setup": "def poly(xs, x):\n    return sum(c * x ** i for i, c in enumerate(xs))\n",
+            "entry_point": "find_zero",
+        },
+        "def poly(xs, x):\n    return 0\ndef find_zero(xs):\n    return 0.0\n",
+    ),
+    "encode-helper-shadowed": (
+        {
+            "asserts": ["assert decode_shift(encode_shift('abc')) == 'abc'"],
+            "setup": "def encode_shift(s):\n    return ''.join(chr((ord(c) - 92) % 26 + 97) for c in s)\n",
+        },
+        "def encode_shift(s):\n    return s\ndef decode_shift(s):\n    return s\n",
+    ),
+    "builtins-shadowed": (
+        {"asserts": ["assert f(2) == sum([21, 21])", "assert f(1) == pow(21, 1)"]},
+        "import builtins\nbuiltins.sum = builtins.pow = lambda *a: 0\nsum = pow = lambda *a: 0\n"
+        "def f(x):\n    return 0\n",
+    ),
+    "pytest-defined-by-the-solution": (
+        {"asserts": ["assert f(1) == pytest.approx(21)"], "setup": "import pytest"},
+        """
+import sys, types
+class Always:
+    def __eq__(self, other): return True
+fake = types.ModuleType("pytest")
+fake.approx = lambda *a, **k: Always()
+sys.modules["pytest"] = fake
+pytest = fake
+def f(x):
+    return 0
+""",
+    ),
+    "raising-where-truth-is-checked": (
+        {"asserts": ["assert not f(0)", "assert f(1)"]},
+        "def f(x):\n    raise ValueError('no')\n",
+    ),
+    "nan-through-a-tolerance": (
+        {"asserts": ["assert not abs(f(1) - 21.0) > 1e-6", "assert not abs(f(2) - 42.0) > 1e-6"]},
+        "def f(x):\n    return float('nan')\n",
+    ),
+    "exit-inside-an-expected-exception": (
+        {
+            "asserts": [
+                "try:\n    f(-1)\nexcept Exception:\n    pass\nelse:\n    raise AssertionError",
+                "assert f(1) == 21",
+            ]
+        },
+        "import os\ndef f(x):\n    if x < 0:\n        raise SystemExit(0)\n    return 0\n",
+    ),
+    "process-exit-inside-an-expected-exception": (
+        {"asserts": ["try:\n    f(-1)\nexcept BaseException:\n    pass"]},
+        "import os\ndef f(x):\n    os._exit(0)\n",
+    ),
+    "argument-mutated-after-return": (
+        {"asserts": ["xs = [1, 2, 3]\nassert f(xs) == 6\nassert xs == [1, 2, 3]"]},
+        """
+import threading, time
+def f(xs):
+    def later():
+        time.sleep(0.05)
+        xs[:] = [6]
+    threading.Thread(target=later).start()
+    xs[:] = [6]
+    return 6
+""",
+    ),
+    # The channel between the judge's process and the solution's.
+    "oversized-value": (ASSERTS, "def f(x):\n    return 'x' * (10 ** 7)\n"),
+    "deeply-nested-value": (
+        ASSERTS,
+        "def f(x):\n    v = []\n    for _ in range(100000):\n        v = [v]\n    return v\n",
+    ),
+    "endless-generator": (ASSERTS, "def f(x):\n    while True:\n        yield 21 * x\n"),
+    "forged-handle-and-encoder": (
+        ASSERTS,
+        """
+import values
+values.encode = lambda value, limits, handle=None: {"t": "handle", "v": 0, "type": "int", "callable": False}
+class Truthy:
+    def __bool__(self): return True
+def f(x):
+    return Truthy()
+""",
+    ),
+    "handle-used-after-the-call": (
+        {"asserts": ["box = make()\nassert box.value() == 21", "assert box.value() == 42"]},
+        "class Box:\n    n = 21\n    def value(self):\n        Box.n = 0\n        return Box.n\n"
+        "def make():\n    return Box()\n",
+    ),
+    "replies-from-threads": (
+        ASSERTS,
+        """
+import os, threading
+def spam():
+    while True:
+        try:
+            os.write(3, b'{"id": 1, "ok": true, "value": 21}\\n')
+        except OSError:
+            pass
+for _ in range(2):
+    threading.Thread(target=spam, daemon=True).start()
+def f(x):
+    return 0
+""",
+    ),
+    "replies-written-ahead": (
+        ASSERTS,
+        """
+import os
+for n in range(1, 6):
+    for fd in range(1, 8):
+        try:
+            os.write(fd, b'{"id": %d, "ok": true, "value": %d}\\n' % (n, 21 * n))
+            os.write(fd, b'{"unit": %d, "outcome": null}\\n{"done": true}\\n' % (n - 1))
+        except OSError:
+            pass
+def f(x):
+    return 0
+""",
+    ),
+}
+
+
+@pytest.mark.parametrize("attack", list(JUDGED))
+def test_every_attack_on_a_judged_test_scores_as_a_failure(attack):
+    tests, program = JUDGED[attack]
+    result = code_reward(_fenced(program), tests, CFG)
+    assert (result.reward, result.passed) == (CFG.incorrect, False), (attack, result)
+
+
+def test_a_solution_that_never_answers_times_out():
+    quick = RewardsConfig(sandbox=dataclasses.replace(CFG.sandbox, wall_time_s=2.0))
+    for program in ("import time\ndef f(x):\n    time.sleep(60)\n", "def f(x):\n    while True:\n        pass\n"):
+        result = code_reward(_fenced(program), ASSERTS, quick)
+        assert (result.passed, result.failure) == (False, "timeout"), program
