@@ -43,12 +43,12 @@ What is not protected
   max_output_bytes of memfds and pipes) plus the scratch tmpfs. There is no I/O or CPU-share limit
   beyond CPU time in either case.
 - Per-user kernel state shared by every sandbox's uid: keyrings (no seccomp filter to forbid keyctl).
-- The harness process: a call-based or assert-based solution runs in the same interpreter as its harness
-  and can tamper with it (its report channel, globals, `json`, builtins). That decides no reward: the sandbox
-  reports values only, as tagged plain data, and the host compares them with expected values that never
-  enter the sandbox (rewards/code.py, data/assert_tests.py: assert statements are split into probes the
-  sandbox evaluates and checks the host evaluates). A tampered report can only carry other values, which
-  pass only if they are the right ones (tests/integration/test_reward_forgery.py).
+- The harness process: a call-based solution runs in the same interpreter as its harness and can tamper with it
+  (its report channel, globals, `json`, builtins). That decides no reward: the sandbox reports values only, as
+  tagged plain data, and the host compares them with expected values that never enter the sandbox
+  (rewards/code.py). Test programs (assert lists, HumanEval's `check`) run in a second sandbox of their own, the
+  judge's, talking to the solution's only through the host (`Session`, rewards/judge.py), so nothing the solution
+  does reaches the test or its verdict (tests/integration/test_reward_forgery.py).
 - Development mode (`allow_unisolated`, loudly logged): only rlimits (no process limit), a scratch cwd, a
   scrubbed environment and a process group, as the calling user; the program can read and write the
   host, use the network, fork-bomb the user and leave daemons.

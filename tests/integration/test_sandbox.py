@@ -352,3 +352,17 @@ def test_unisolated_development_mode_is_loud(monkeypatch, caplog):
         assert box.run("import os\nprint(os.getcwd())").stdout.strip().endswith(b"/tmp")
     finally:
         box.close()
+
+
+@needs_isolation
+def test_a_judged_test_leaves_nothing_running(box):
+    # Both of a judged test's sandboxes (the judge's and the solution's) end with it, daemons and threads included.
+    from megatron_rl.rewards.judge import judge
+
+    program = (
+        "import os, subprocess, threading, time\n"
+        "subprocess.Popen(['/usr/bin/python3', '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+        "threading.Thread(target=time.sleep, args=(600,), daemon=True).start()\n"
+        "def f(x):\n    return 21 * x\n"
+    )
+    assert judge(program, {"asserts": ["assert f(1) == 21", "assert f(2) == 0"]}, CFG) == [None, "wrong_answer"]
