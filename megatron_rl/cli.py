@@ -68,6 +68,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     )
     if args.allocation:
         check_memory(config, check_allocation(config, args.allocation))
+    if config.model.hf_path:
+        check_checkpoint(config)
     config.check_starting_model()
     config.check_engine_attention()
     if args.write:
@@ -77,6 +79,22 @@ def _cmd_check(args: argparse.Namespace) -> int:
         save_config(config, path)
         print(f"wrote {path}")
     return 0
+
+
+def check_checkpoint(config: Any) -> None:
+    """The starting model (`model.hf_path`) against the model config, before anything starts: architecture, the
+    dimensions the config fixes, and every weight file and tensor shape from the safetensors headers (torch is
+    imported here, for the model family's tensor names; nothing is loaded)."""
+    from megatron_rl.convert.hf_import import verify_hf_checkpoint
+
+    try:
+        index = verify_hf_checkpoint(config.model, config.model.hf_path)
+    except ValueError as exc:
+        raise ConfigError(f"model.hf_path: {exc}") from None
+    print(
+        f"starting model: {config.model.hf_path}: {len(index.names)} tensors in {len(index.files)} file(s), "
+        f"{index.nbytes / 1e9:.2f} GB, matching {config.model.name}"
+    )
 
 
 def check_allocation(config: Any, allocation: str) -> int | None:

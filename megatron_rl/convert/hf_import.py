@@ -25,10 +25,11 @@ from typing import Any
 import torch
 
 from megatron_rl.config import ModelConfig, ParallelConfig, TrainerConfig
-from megatron_rl.convert.hf_files import HFReader
+from megatron_rl.convert.hf_files import HeaderIndex, HFReader
 from megatron_rl.convert.runtime import megatron_process, spawn
 from megatron_rl.models import (
     FAMILIES,
+    canonical_shapes,
     family,
     family_of,
     from_hf,
@@ -66,7 +67,26 @@ def check_config_json(cfg: ModelConfig, hf_dir: Path) -> None:
         raise ValueError(f"{hf_dir}: config.json disagrees with the model config: {'; '.join(diffs)}")
 
 
-def check_hf_tensors(reader: HFReader, cfg: ModelConfig, needed: set[str], shapes: dict[str, tuple[int, ...]]) -> None:
+def verify_hf_checkpoint(cfg: ModelConfig, hf_dir: str | Path) -> HeaderIndex:
+    """The HF directory a run starts from, checked against the model before anything starts: config.json's
+    architecture and dimensions, then every weight file (present, complete) and every tensor's name and shape,
+    from the files' headers alone (nothing is loaded). Raises ValueError naming what differs."""
+    hf_dir = Path(hf_dir)
+    if not (hf_dir / "config.json").is_file():
+        raise ValueError(f"{hf_dir} has no config.json (not a Hugging Face checkpoint directory)")
+    module = family(cfg)
+    module.check(cfg)
+    check_config_json(cfg, hf_dir)
+    index = HeaderIndex(hf_dir)
+    index.prefix = getattr(module, "checkpoint_prefix", lambda names: "")(index.names)
+    shapes = hf_shapes(cfg, canonical_shapes(cfg).items())
+    check_hf_tensors(index, cfg, set(shapes), shapes)
+    return index
+
+
+def check_hf_tensors(
+    reader: HFReader | HeaderIndex, cfg: ModelConfig, needed: set[str], shapes: dict[str, tuple[int, ...]]
+) -> None:
     """Missing, extra and mis-shaped HF tensors, all listed in one ValueError."""
     module = family(cfg)
     skipped = getattr(module, "skipped", lambda name: False)

@@ -46,9 +46,13 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     """The Hugging Face directory RL starts from: `model.hf_path`, or a tiny model built here and warmed up
     on the synthetic task's worked solutions (`trainer.warm_start_steps`)."""
     if run.model.hf_path:
+        from megatron_rl.convert.hf_import import verify_hf_checkpoint
+
         path = Path(run.model.hf_path)
-        if not (path / "config.json").exists():
-            raise ConfigError(f"model.hf_path: {path} has no config.json")
+        try:  # before the trainer ranks and engines start: another model, or weights missing or cut short
+            verify_hf_checkpoint(run.model, path)
+        except ValueError as exc:
+            raise ConfigError(f"model.hf_path: {exc}") from None
         return path
     base = base_model(run, cache)
     if run.trainer.warm_start_steps == 0:

@@ -84,7 +84,8 @@ def test_bootstrap_without_a_gpu_count_refuses_a_gpu_run_before_ray_starts(tmp_p
 
 def test_a_gpu_run_without_a_checkpoint_is_refused_by_check_and_train_before_anything_starts(tmp_path):
     """`sbatch slurm/scalerl_dense.sh` without MODEL_PATH: the check the bootstrap runs first says which field to set
-    (it used to pass, bring Ray up, and start RL from a random 8B model)."""
+    (it used to pass, bring Ray up, and start RL from a random 8B model); a directory that is not a checkpoint of the
+    model is refused too (tests/unit/test_check_checkpoint.py)."""
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     cli = [sys.executable, "-m", "megatron_rl.cli"]
     for command in ("check", "train"):
@@ -96,11 +97,11 @@ def test_a_gpu_run_without_a_checkpoint_is_refused_by_check_and_train_before_any
         [*cli, "check", "--model", "llama3_8b", f"model.hf_path={tmp_path}"], capture_output=True, text=True, env=env
     )
     assert missing.returncode == 2 and f"model.hf_path: {tmp_path} has no config.json" in missing.stderr
-    (tmp_path / "config.json").write_text("{}")
-    ok = subprocess.run(
+    (tmp_path / "config.json").write_text("{}")  # a directory that only looks like a checkpoint
+    empty = subprocess.run(
         [*cli, "check", "--model", "llama3_8b", f"model.hf_path={tmp_path}"], capture_output=True, text=True, env=env
     )
-    assert ok.returncode == 0, ok.stderr
+    assert empty.returncode == 2 and "model.hf_path: config.json: unknown architecture" in empty.stderr, empty.stderr
     assert subprocess.run([*cli, "check", "--recipe", "scalerl-cpu"], capture_output=True, env=env).returncode == 0
 
 
