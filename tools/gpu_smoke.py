@@ -569,6 +569,20 @@ def check_loop(ctx: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def engine_cuda_device(visible: str | None, count: int) -> str | None:
+    """The engine check's SGLang server's CUDA_VISIBLE_DEVICES: the second device this process sees (its trainer
+    holds the first), named as this process's CUDA_VISIBLE_DEVICES names it (an index, a GPU or MIG UUID). On a
+    node whose devices were narrowed (`CUDA_VISIBLE_DEVICES=4,5`, a Slurm step's GPUs) the engine gets device 5,
+    not the machine's device 1, which may be another job's. None with fewer than two devices: NCCL refuses two
+    ranks (trainer and engine) on one device."""
+    if count < 2:
+        return None
+    if visible is None:
+        return "1"
+    # CUDA enumerates the list up to its first invalid entry; `count` devices were found, so the second is valid.
+    return visible.split(",")[1].strip()
+
+
 def check_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     """A trained policy pushed in flight into a real SGLang engine over the weight-sync group (NCCL on GPUs, gloo on
     CPU), the engine's log-probs of what it then samples against the trainer's, and a push into a stopped engine
@@ -582,7 +596,10 @@ def check_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     if "tiny" not in ctx:
         raise NotRun("needs the logprobs check's tiny models")
     cuda = ctx["cuda"]
-    if cuda and torch.cuda.device_count() < 2:
+    engine_device = (
+        engine_cuda_device(os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count()) if cuda else None
+    )
+    if cuda and engine_device is None:
         raise NotRun("one GPU: NCCL refuses two ranks (trainer and engine) on one device; needs two GPUs")
     from megatron_rl.config import EngineConfig, SamplingConfig, load_config
     from megatron_rl.generator.client import SGLangClient
@@ -597,8 +614,8 @@ def check_engine(ctx: dict[str, Any]) -> dict[str, Any]:
     engine = EngineConfig(device="cuda" if cuda else "cpu", dtype="float32", tp=1, fp32_lm_head=True)
     server = SGLangServer(hf_dir, engine, Path(ctx["tmp"]) / "engine.log", max_total_tokens=8192, context_length=512)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if cuda:  # the trainer holds device 0; the engine gets device 1
-        os.environ["CUDA_VISIBLE_DEVICES"] = "1"
+    if engine_device is not None:  # the trainer holds this process's device 0
+        os.environ["CUDA_VISIBLE_DEVICES"] = engine_device
     try:
         server.start()
     finally:
