@@ -94,7 +94,8 @@ def test_code_rows_accept_deepcoder_case_lists_and_name_bad_tests(tmp_path):
     ]
     path = _write(tmp_path, rows, "deepcoder.jsonl")
     prompts, stats = load_prompts(DatasetConfig(source=path, task="code"), bad_rows="skip")
-    assert prompts[0].tests == {"inputs": ["1\n", "5\n"], "outputs": ["2\n", "6\n"]}
+    # LiveCodeBench's stdin cases: numbers in the output compared as decimals, as its grader does
+    assert prompts[0].tests == {"inputs": ["1\n", "5\n"], "outputs": ["2\n", "6\n"], "compare": "decimal"}
     assert prompts[1].tests == {"inputs": [[[1, 2]]], "outputs": [3], "fn_name": "add"}  # JSON text decoded
     assert stats.skipped == 2
     assert "deepcoder.jsonl: row 3: field 'tests'" in stats.errors[0] and "'input'" in stats.errors[0]

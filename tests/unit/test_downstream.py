@@ -215,7 +215,8 @@ def test_livecodebench_schema_window_versions_and_forged_pickles(tmp_path, capsy
     assert "unpickled code ran" not in capsys.readouterr().out
     assert [p.id for p in bench.prompts] == ["livecodebench-abc360_a", "livecodebench-2999"]
     stdin, call = bench.prompts
-    assert stdin.task == "code" and stdin.tests == {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"]}
+    expected = {"inputs": ["1 2\n", "5 7\n"], "outputs": ["3\n", "12\n"], "compare": "decimal"}  # LCB's grader
+    assert stdin.task == "code" and stdin.tests == expected
     assert "standard input" in stdin.prompt
     assert call.tests == {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], [[3, 3], 6]], "outputs": [[0, 1]] * 2}
     assert "class Solution" in call.prompt and "def twoSum" in call.prompt
