@@ -9,6 +9,7 @@
     megatron-rl node-check --recipe R [--model M] [--gpus N] [k=v]
                                                      this GPU node's driver and GPUs against the run
     megatron-rl train --recipe R [--model M] [k=v]   run (or resume) a ScaleRL training run
+                      [--fork RUN]                   a new run from the weights of RUN's latest checkpoint
     megatron-rl fit RUNS.jsonl ... [options]         fit / predict / compare scaling curves
     megatron-rl eval --checkpoint DIR [--start] [--benchmarks aime24,math500,...]
                                                      downstream benchmarks of a checkpoint (and its start)
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -237,14 +239,17 @@ def _cmd_node_check(args: argparse.Namespace) -> int:
 
 
 EXIT_CODES = {"config": 2, "data": 3, "filesystem": 4, "sandbox": 5, "checkpoint": 6, "stopped": 1}
-"""How `megatron-rl train` ends when it refuses or stops, one line on stderr each: `megatron-rl: <kind> error: ...`."""
+"""How `megatron-rl train` ends when it refuses or stops, one line on stderr each: `megatron-rl: <kind> error: ...`.
+A stop signal during start-up ends it with 128 + the signal's number (143 for SIGTERM), as a shell reports a
+process that signal ended, after one line `megatron-rl: stopped by SIGTERM during start-up ...`."""
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    config = load_config(args.recipe, args.model, args.overrides)
+    fork = [f"checkpoint.fork_from={args.fork}"] if args.fork else []
+    config = load_config(args.recipe, args.model, [*args.overrides, *fork])
     config.check_starting_model()
     from megatron_rl.data.datasets import DatasetError
-    from megatron_rl.orchestration.train import RunStopped, train
+    from megatron_rl.orchestration.train import RunStopped, StartStopped, train
     from megatron_rl.rewards.sandbox import SandboxUnavailable
     from megatron_rl.trainer.checkpoint import CheckpointError
 
@@ -256,6 +261,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
     ]
     try:
         run_dir = train(config)
+    except StartStopped as exc:
+        print(f"megatron-rl: {_one_line(exc)}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        # Everything the start launched is shut down, but the thread that prepares its inputs may still be in
+        # torch (a first run's warm-up): at interpreter shutdown a daemon thread in torch code aborts the process.
+        os._exit(128 + exc.signum)
     except tuple(kind for kind, _ in refusals) as exc:
         name = next(label for kind, label in refusals if isinstance(exc, kind))
         prefix = "" if name == "stopped" else f"{name} error: "
@@ -316,6 +327,13 @@ def build_parser() -> argparse.ArgumentParser:
     node.set_defaults(func=_cmd_node_check)
     run = sub.add_parser("train", help="run (or resume) a ScaleRL training run")
     _add_run_args(run)
+    run.add_argument(
+        "--fork",
+        default=None,
+        metavar="RUN",
+        help="start this new run (name=...) from the latest checkpoint's weights of RUN (a run directory or a "
+        "checkpoint): fresh optimizer, data order and step count; the model must be the same",
+    )
     run.set_defaults(func=_cmd_train)
     for name, (module, help_text) in DELEGATED.items():
         if _available(module):

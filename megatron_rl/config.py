@@ -873,7 +873,12 @@ class CheckpointConfig:
     every_steps: int = 100
     keep_last: int = 2
     resume: Literal["auto", "never"] = "auto"
-    """auto = continue from the newest checkpoint in the run directory if there is one."""
+    """auto = continue from the newest checkpoint in the run directory if there is one (the same experiment: a
+    changed config is applied or refused field by field, orchestration/resume.py)."""
+    fork_from: str | None = None
+    """A run directory (or one of its checkpoints) whose latest weights this new run starts from, with a fresh
+    optimizer, data order and step count (`megatron-rl train --fork RUN`); the model must be the same, anything
+    else may differ. Once this run has checkpoints of its own, a restart resumes them."""
     save_on_signal: bool = True
     """Checkpoint and exit cleanly on SIGTERM / SIGUSR1 (Slurm's pre-timeout signal)."""
 

@@ -103,8 +103,10 @@ class MetricsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         lines = [json.dumps({"run": header})]
+        self._marks: set[str] = set()
         if self.path.exists():
             lines = _continued(self.path, resume_step, lines[0])
+            self._marks = {line for line in lines if '"config_change"' in line}
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in lines))
             os.replace(tmp, self.path)
@@ -114,6 +116,15 @@ class MetricsLogger:
             self.file.write(lines[0] + "\n")
             self.file.flush()
         self.wandb = wandb_run if wandb_run is not None else start_wandb(cfg, run_dir, header.get("name"), config)
+
+    def mark(self, record: dict[str, Any]) -> None:
+        """An event record between the step rows (a resume's `config_change`), in the file only; one already there
+        (the same change, recorded by a start that died before its next checkpoint) is not written twice."""
+        line = json.dumps(record)
+        if line not in self._marks:
+            self.file.write(line + "\n")
+            self.file.flush()
+            self._marks.add(line)
 
     def log(self, step: int, row: dict[str, Any]) -> None:
         row = {"step": step, **{k: _plain(v) for k, v in row.items()}}

@@ -10,6 +10,7 @@ held-out prompts on every machine.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -165,6 +166,17 @@ class Splits:
     val: dict[str, list[Prompt]]
     """Per task: the held-out validation prompts."""
     stats: dict[str, LoadStats]
+
+    def fingerprints(self) -> dict[str, str]:
+        """Per dataset: a hash of its training prompts in order (id, prompt, answer, tests), which a checkpoint
+        records so that a resume finds data changed under the same config (orchestration/resume.py)."""
+        out = {}
+        for key, prompts in self.train.items():
+            digest = hashlib.sha256()
+            for p in prompts:
+                digest.update(json.dumps([p.id, p.prompt, p.answer, p.tests], sort_keys=True, default=str).encode())
+            out[key] = digest.hexdigest()[:16]
+        return out
 
 
 def load_splits(cfg: DataConfig) -> Splits:

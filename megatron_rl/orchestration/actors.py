@@ -67,6 +67,13 @@ class TrainerWorker(Placed):
 
         return load_checkpoint(self.trainer, Path(path))
 
+    def fork(self, path: str) -> None:
+        """Start a new run from the weights of checkpoint `path` (any layout): fresh optimizer state, step 0."""
+        from megatron_rl.trainer.checkpoint import load_checkpoint
+
+        load_checkpoint(self.trainer, Path(path), model_only=True)
+        self.trainer.step = self.trainer.skipped_steps = 0
+
     def init_weight_sync(self, engine_urls: list[str], master_addr: str, master_port: int) -> None:
         """Rank 0 joins a weight-update group with the engines (gloo on CPU, NCCL on GPUs)."""
         if self.rank == 0:

@@ -46,6 +46,7 @@ from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
 from megatron_rl.orchestration.engines import EngineGroup, LocalLaunch, local_engines
 from megatron_rl.orchestration.placement import check_cpu_slots, cpu_processes, local_ray_cpus
 from megatron_rl.orchestration.reaper import Reaper
+from megatron_rl.orchestration.resume import check_data, check_resume, fork_source
 from megatron_rl.rewards.workers import RewardWorkers
 from megatron_rl.rollout.evaluation import (
     BenchmarkResult,
@@ -79,15 +80,30 @@ class EmptyBatches(Exception):
         )
 
 
-class StopFlag:
-    """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit.
+class StartStopped(Exception):
+    """A stop signal came while the run was starting: the start was abandoned, nothing trained or saved."""
 
-    `ray.init` installs Ray's own SIGTERM handler in the driver (it ends the process at once), so `install`
-    runs again once Ray is up."""
+    def __init__(self, signal_name: str, where: str) -> None:
+        self.signum = int(signal.Signals[signal_name])
+        super().__init__(
+            f"stopped by {signal_name} during start-up, before the first step: nothing was trained or saved by this "
+            f"start ({where}); run the same command to start again"
+        )
+
+
+class StopFlag:
+    """Set by SIGTERM / SIGUSR1 (Slurm's pre-timeout signal): checkpoint at the end of this step and exit. During
+    start-up there is nothing to checkpoint and a start takes minutes (engines loading weights): the signal cancels
+    the start (`cancels`), which shuts down what it started.
+
+    `ray.init` installs Ray's own SIGTERM handler in the driver (it ends the process at once, wherever it is), so
+    `start_ray` keeps this one while Ray starts, and `install` runs again once Ray is up (Ray's core worker adds a
+    handler that prints a stack dump)."""
 
     def __init__(self, enabled: bool) -> None:
         self.signal: str | None = None
         self.enabled = enabled
+        self._start: asyncio.Future[Any] | None = None
         self.install()
 
     def install(self) -> None:
@@ -95,8 +111,19 @@ class StopFlag:
             for sig in (signal.SIGTERM, signal.SIGUSR1):
                 signal.signal(sig, self._handle)
 
+    def cancels(self, start: asyncio.Future[Any]) -> None:
+        """Until `start` is done, a signal cancels it (one that came already does so now)."""
+        self._start = start
+        if self.signal is not None:
+            start.cancel()
+
     def _handle(self, signum: int, frame: Any) -> None:
         self.signal = signal.Signals(signum).name
+        if self._start is not None and not self._start.done():
+            # As asyncio's own Ctrl-C handling: the cancellation lands at the start's next await, and the loop is
+            # woken in case it sleeps in select().
+            self._start.cancel()
+            self._start.get_loop().call_soon_threadsafe(lambda: None)
 
     def __bool__(self) -> bool:
         return self.signal is not None
@@ -141,6 +168,8 @@ class Parts:
     """Groups that were buffered or in flight at the checkpoint resumed from (their prompts are drawn again)."""
     downstream: dict[str, BenchmarkSet]
     """The downstream benchmarks (eval.downstream), loaded before the start."""
+    fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
+    """The training data's fingerprints (`Splits.fingerprints`), recorded in every checkpoint."""
     saved: int | None = None
     """The step of the last checkpoint this start wrote."""
 
@@ -209,6 +238,7 @@ class Parts:
             "sampler": self.sampler.state_dict(),
             "device_hours": self.clock.device_hours,
             "in_flight_groups": len(self.pipeline.buffer) + len(self.pipeline.tasks),
+            "data_fingerprints": self.fingerprints,
         }
         await self.trainers.call("save", str(self.run_dir / "checkpoints"), state, self.run.checkpoint.keep_last)
         self.saved = step
@@ -222,7 +252,15 @@ class Parts:
 
 
 async def _train(run: RunConfig) -> Path:
-    parts = await setup(run, StopFlag(run.checkpoint.save_on_signal))
+    stop = StopFlag(run.checkpoint.save_on_signal)
+    starting = asyncio.ensure_future(setup(run, stop))
+    stop.cancels(starting)
+    try:
+        parts = await starting
+    except asyncio.CancelledError:
+        if stop.signal is None:  # not ours: Ctrl-C (asyncio cancels the run) or a shutdown
+            raise
+        raise StartStopped(stop.signal, _last_checkpoint(Path(run.output_dir) / run.name)) from None
     try:
         step = await _loop(parts)
     except TrainerDied as exc:
@@ -370,16 +408,22 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     checkpoints are written, so a refused start leaves them as they were."""
     run_dir = Path(run.output_dir) / run.name
     _check_writable(run_dir)
-    # The checkpoint to resume from, verified against its manifest before anything starts.
+    # The checkpoint to resume from, verified against its manifest before anything starts, and the config it was saved
+    # under compared with this one (orchestration/resume.py): another experiment is refused here, before Ray starts.
     checkpoint = latest_checkpoint(run_dir / "checkpoints") if run.checkpoint.resume == "auto" else None
+    change = check_resume(run, checkpoint) if checkpoint is not None else None
+    forked = fork_source(run) if checkpoint is None and run.checkpoint.fork_from else None
+    if forked is not None:
+        check_resume(run, forked, fork=True)
     # Ray's local head takes seconds to start (its processes' imports): it starts while a worker thread reads
     # the data, finds the starting policy and loads its tokenizer. A start those checks refuse shuts Ray down.
     # CPU engines on this machine start from that thread too, as soon as the starting policy is checked
     # (engines.LocalLaunch); a start refused after that stops them (their log stays in the run's logs/).
     launch = LocalLaunch(run, run_dir) if local_engines(run) else None
-    prepared = _in_daemon_thread(prepare_inputs, run, launch)
+    prepared = _in_daemon_thread(prepare_inputs, run, launch, checkpoint)
     try:
         start_ray(run)
+        stop.install()  # over the handler Ray's core worker installed
         splits, downstream, policy, encoder, tokens = await prepared
     except BaseException:
         prepared.cancel()
@@ -390,7 +434,6 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     save_config(run, run_dir / "config.yaml")
     record_starting_model(run_dir, policy)
     check_cpu_slots(run, ray.cluster_resources().get("CPU", 0.0), local_engines=launch is not None)
-    stop.install()  # over Ray's handler
     config = dataclasses.asdict(run)
     wandb_run = _in_daemon_thread(start_wandb, run.logging, run_dir, run.name, config)
     # The trainer's placement is reserved first (the node plan packs trainer ranks first); its ranks build their
@@ -418,11 +461,14 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
             sampler.load_state_dict(state["sampler"])
             start_hours, regenerated = state["device_hours"], state.get("in_flight_groups", 0)
             print(f"resumed from {checkpoint} at step {state['step']}", flush=True)
+        elif forked is not None:
+            await trainers.call("fork", str(forked))
+            print(f"forked from {forked}: its weights, with a fresh optimizer, data order and step count", flush=True)
         else:
             await trainers.call("load_hf", str(policy))
         step = await trainers.call("version")
         await engines.connect_weight_sync(trainers)
-        if checkpoint is not None:
+        if checkpoint is not None or forked is not None:
             await engines.push_weights(trainers, step)
 
         # The reward workers' start (their imports, ~1 s of CPU) comes now, not beside the engines' and trainer's on
@@ -437,10 +483,15 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         header = {"name": run.name, "recipe": run.recipe, "model": run.model.name, "seed": run.seed}
         header.update(device_kind=run.compute.device_kind, devices=devices)
         header["data"] = {key: {"rows": st.rows, "skipped_rows": st.skipped} for key, st in splits.stats.items()}
+        if forked is not None:
+            header["forked_from"] = str(forked)
         logger = MetricsLogger(run.logging, run_dir, header, config, resume_step=step, wandb_run=await wandb_run)
+        if change is not None:  # applied: this start runs with the new settings from the resumed step on
+            print(f"config changed at step {change.step}: {change.describe()}", flush=True)
+            logger.mark({**change.record(), "device_hours": start_hours})
         return Parts(
             run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, encoder, tokens, clock, logger,
-            step, regenerated, downstream,
+            step, regenerated, downstream, splits.fingerprints(),
         )  # fmt: skip
     except BaseException:
         if rewards is not None:
@@ -486,12 +537,15 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]
 
 
 def prepare_inputs(
-    run: RunConfig, launch: LocalLaunch | None = None
+    run: RunConfig, launch: LocalLaunch | None = None, resumed: Path | None = None
 ) -> tuple[Splits, dict[str, BenchmarkSet], Path, PromptEncoder, InterruptionTokens]:
-    """What the run reads before anything starts, each source checked: the data, the downstream benchmarks,
-    the sandbox (code tasks), the starting policy (warm-started on first use) and its tokenizer with the
-    budgets it implies; then `launch` starts the local engines' servers from that policy."""
+    """What the run reads before anything starts, each source checked: the data (unchanged since the checkpoint
+    `resumed`, when resuming), the downstream benchmarks, the sandbox (code tasks), the starting policy (warm-started
+    on first use) and its tokenizer with the budgets it implies; then `launch` starts the local engines' servers from
+    that policy."""
     splits = load_splits(run.data)
+    if resumed is not None:
+        check_data(splits.fingerprints(), resumed)
     _report_data(splits)
     downstream = load_downstream(run)
     if any(d.task == "code" for d in run.data.datasets):
@@ -523,14 +577,33 @@ def start_ray(run: RunConfig) -> None:
     # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
     # running on this machine (another run's, another user's) and fail on its auth token.
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(address="auto", include_dashboard=False)
+        with _keeping_sigterm(run.checkpoint.save_on_signal):
+            ray.init(address="auto", include_dashboard=False)
     else:
         cores = os.cpu_count() or 1
         slots, processes = local_ray_cpus(run, cores), cpu_processes(run)
         if processes > cores:
             print(f"ray: {processes} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
-        with _one_machine_head():
+        with _one_machine_head(), _keeping_sigterm(run.checkpoint.save_on_signal):
             ray.init(address="local", include_dashboard=False, num_cpus=slots)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm(keep: bool) -> Any:
+    """`ray.init` first replaces the driver's SIGTERM handler with `sys.exit(15)`, raised wherever the driver is:
+    in the middle of Ray's own start, it leaves a half-started head to the reaper and the process to die in
+    interpreter shutdown. A run that handles SIGTERM itself (StopFlag) keeps its handler while Ray starts."""
+    if not keep:
+        yield
+        return
+    import ray._private.utils as utils
+
+    set_handler = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = set_handler
 
 
 @contextlib.contextmanager

@@ -47,6 +47,9 @@ class Curve:
     """What loading changed or noticed: replaced duplicate steps, R0 not at step 0."""
     runs: Array | None = None
     """Which run each point comes from when repeated runs are pooled (`pool_runs`); None: one run."""
+    changes: list[tuple[float, int | None, list[str]]] = field(default_factory=list)
+    """Config changes a resume applied mid-run (metrics.jsonl `config_change` records): (compute, step, fields).
+    The curve spans both settings; plots mark where."""
 
     @property
     def n_runs(self) -> int:
@@ -73,6 +76,7 @@ def pool_runs(curves: list[Curve]) -> Curve:
         None,
         notes,
         np.concatenate([np.full(c.R.size, i) for i, c in enumerate(curves)]),
+        [change for c in curves for change in c.changes],
     )
 
 
@@ -159,6 +163,7 @@ def load_curves(
         near = [c for c in columns if c.startswith("val/")] or columns
         raise FitError(f"{path}: column {metric!r} missing; columns are {near}")
     name = label or str(header.get("name") or path.stem)
+    changes = _config_changes(rows, compute_col, step_col, compute_scale)
     curves = []
     for m in metrics:
         curve = _curve(path, rows, compute_col, m, step_col if step_col in columns else None, compute_scale)
@@ -167,8 +172,26 @@ def load_curves(
         else:
             curve.label = f"{name} {m[len(metric) - 1 :] if metric.endswith('*') and metric.count('*') == 1 else m}"
         curve.header = header
+        curve.changes = changes
+        curve.notes += [
+            f"config changed at step {step} ({compute_col} {c:g}): {', '.join(fields)}; the curve spans both settings"
+            for c, step, fields in changes
+        ]
         curves.append(curve)
     return curves
+
+
+def _config_changes(
+    rows: list[tuple[int, dict[str, Any]]], compute_col: str, step_col: str, compute_scale: float
+) -> list[tuple[float, int | None, list[str]]]:
+    """The `config_change` records a resume wrote (orchestration/resume.py): (compute, step, changed fields)."""
+    out = []
+    for _, row in rows:
+        change = row.get("config_change")
+        compute = row.get(compute_col)
+        if isinstance(change, dict) and isinstance(compute, (int, float)):
+            out.append((float(compute) * compute_scale, row.get(step_col), sorted(change)))
+    return out
 
 
 def load_curve(path: str | Path, compute_col: str = "device_hours", metric: str = "val/pass_rate", **kw: Any) -> Curve:

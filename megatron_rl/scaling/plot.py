@@ -126,6 +126,9 @@ def _draw_run(ax, r: Result, name: str, color, x_max: float, predict_at: list[fl
     warmup = positive & ~fitted & (c <= cut)
     heldout = c > cut
     ax.scatter(c[fitted], R[fitted], s=16, color=color, alpha=0.85, zorder=3)
+    for compute, step, fields in r.curve.changes:  # a resume changed the config here: the curve spans both
+        what = ", ".join(field.rsplit(".", 1)[-1] for field in fields)
+        ax.axvline(compute, color=color, lw=0.9, ls=(0, (1, 2)), label=f"{name}: config change at step {step} ({what})")
     ax.scatter(c[warmup], R[warmup], s=16, facecolors="none", edgecolors=color, alpha=0.7, zorder=3)
     if heldout.any():
         ax.scatter(c[heldout], R[heldout], s=22, marker="x", color=color, alpha=0.85, zorder=3)

@@ -195,6 +195,8 @@ def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], kee
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
+    from megatron_rl.config import to_dict
+
     _in_process_write_results()
 
     root = Path(root)
@@ -218,6 +220,8 @@ def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], kee
             "model": dataclasses.asdict(trainer.run.model),
             "parallel": dataclasses.asdict(trainer.run.parallel),
             "params_dtype": trainer.run.trainer.params_dtype,
+            "run": to_dict(trainer.run),  # the resolved config a resume is compared with (orchestration/resume.py)
+            "data_fingerprints": run_state.get("data_fingerprints"),
         }
         (tmp / "megatron_rl.json").write_text(json.dumps(meta, indent=2))
     # On disk before the rename: after a node loss the rename (and `latest`) can survive while the data they
@@ -305,7 +309,7 @@ def load_checkpoint(trainer: Trainer, path: Path, model_only: bool = False) -> d
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.trainer.optimizer import restore_adam_steps
+    from megatron_rl.trainer.optimizer import apply_hyperparameters, restore_adam_steps, retarget_saved_groups
 
     path = Path(path)
     if not (path / "run_state.pt").exists():
@@ -332,8 +336,10 @@ def load_checkpoint(trainer: Trainer, path: Path, model_only: bool = False) -> d
     with torch.no_grad():  # fp32 main params are views of the model's leaf parameters
         trainer.model.load_state_dict(state["model"])
         if not model_only:
+            retarget_saved_groups(state["optimizer"], trainer.run.trainer.optimizer)
             trainer.optimizer.load_state_dict(state["optimizer"])
             restore_adam_steps(trainer.optimizer)
+            apply_hyperparameters(trainer.optimizer, trainer.run.trainer.optimizer)  # a resume may change them
         else:
             trainer.optimizer.reload_model_params()
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -79,6 +79,36 @@ def build_optimizer(run: Any, ddp: Any) -> Any:
     return optimizer
 
 
+HYPERPARAMETERS = ("max_lr", "min_lr", "weight_decay", "betas", "eps")
+"""What `apply_hyperparameters` sets in every parameter group (the learning rate itself is set at every step)."""
+
+
+def apply_hyperparameters(optimizer: Any, opt: Any) -> None:
+    """The run's optimizer settings (`trainer.optimizer`, a resume may change them) into every parameter group, over
+    the ones a checkpoint load restored."""
+    values = dict(max_lr=opt.lr, min_lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.adam_beta1, opt.adam_beta2))
+    values["eps"] = opt.adam_eps
+    for group in optimizer.param_groups:
+        group.update({key: value for key, value in values.items() if key in group})
+
+
+def retarget_saved_groups(state: Any, opt: Any) -> None:
+    """A saved optimizer state's parameter groups given the run's learning rate before it loads: megatron pairs saved
+    and current groups by their settings (`max_lr` and `min_lr` among them), so a resume at another learning rate
+    found no saved group for each current one (a KeyError inside megatron)."""
+    if isinstance(state, dict):
+        for key, value in state.items():
+            if key == "param_groups" and isinstance(value, list):
+                for group in value:
+                    if isinstance(group, dict):
+                        group.update({k: opt.lr for k in ("max_lr", "min_lr") if k in group})
+            else:
+                retarget_saved_groups(value, opt)
+    elif isinstance(state, list):
+        for value in state:
+            retarget_saved_groups(value, opt)
+
+
 def restore_adam_steps(optimizer: Any) -> int:
     """Gap 6: after a checkpoint load, each parameter's Adam step count set to the saved one (its parameter group's
     `step`), in a tensor of its own; returns how many states it set. Optimizers that keep the count in the group

@@ -31,7 +31,9 @@ SMALL = [
 ]
 
 
-def _train(tmp: Path, name: str, extra: list[str], model: str | None = None, small: bool = True) -> list[dict]:
+def _train(
+    tmp: Path, name: str, extra: list[str], model: str | None = None, small: bool = True, fork: Path | None = None
+) -> list[dict]:
     cmd = [
         sys.executable,
         "-m",
@@ -40,6 +42,7 @@ def _train(tmp: Path, name: str, extra: list[str], model: str | None = None, sma
         "--recipe",
         "scalerl-cpu",
         *(["--model", model] if model else []),
+        *(["--fork", str(fork)] if fork else []),
         f"output_dir={tmp}",
         f"name={name}",
     ]
