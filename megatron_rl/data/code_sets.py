@@ -29,6 +29,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from megatron_rl.data.livecodebench import lcb_cases, lcb_prompt
+
 CHAT_INSTRUCTION = (
     "Complete the following Python code. Give the whole program, with every import and function it needs, in one "
     "```python code block."
@@ -75,8 +77,6 @@ def _mbpp(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _livecodebench(row: dict[str, Any]) -> dict[str, Any]:
-    from megatron_rl.data.benchmarks import lcb_cases, lcb_prompt  # the benchmark's own reading of the schema
-
     where = f"livecodebench {row.get('question_id', '')}"
     cases = lcb_cases(row["public_test_cases"], where, "public_test_cases")
     if row.get("private_test_cases"):

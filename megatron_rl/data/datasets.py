@@ -20,11 +20,8 @@ from typing import Any
 from megatron_rl.config import DataConfig, DatasetConfig
 from megatron_rl.data.code_sets import code_row
 from megatron_rl.data.code_tests import normalise_tests
+from megatron_rl.data.errors import DatasetError
 from megatron_rl.data.synthetic import SYNTHETIC_TASKS
-
-
-class DatasetError(ValueError):
-    """A dataset row or file is malformed; the message names file, row and field."""
 
 
 @dataclass
