@@ -6,7 +6,9 @@
 #   bash tools/slurm_localhost.sh stop
 #
 # Needs root (it writes /etc/slurm/slurm.conf and runs the daemons). The node is this host with all its
-# cores and no GPUs; no cgroups (proctrack/linuxproc, task/none), so it also works inside containers.
+# cores and no GPUs. Each task is bound to the CPUs its step asked for (task/affinity, TaskPluginParam=Cores), as
+# on clusters that bind: a step without --cpus-per-task runs on one core, whatever sbatch asked for. No cgroups
+# (proctrack/linuxproc; affinity is a sched_setaffinity mask), so it also works inside containers.
 set -euo pipefail
 action=${1:-start}
 STATE=/var/spool/megatron_rl_slurm
@@ -62,7 +64,8 @@ SlurmdPidFile=$STATE/slurmd.pid
 SlurmctldLogFile=/var/log/slurm/slurmctld.log
 SlurmdLogFile=/var/log/slurm/slurmd.log
 ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
+TaskPlugin=task/affinity
+TaskPluginParam=Cores
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 JobRequeue=1
