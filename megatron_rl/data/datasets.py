@@ -108,29 +108,50 @@ def read_rows(source: str, split: str, subset: str | None = None) -> list[tuple[
         return list(enumerate(SYNTHETIC_TASKS[name](0), start=1))
     path = Path(source)
     if path.suffix == ".jsonl":
-        if not path.exists():
-            raise DatasetError(f"{source}: no such file")
-        rows = []
-        for line_no, line in enumerate(path.read_text().splitlines(), start=1):
-            if not line.strip():
+        rows: list[tuple[int, Any]] = []
+        for line_no, raw in enumerate(_read_file(path, source).splitlines(), start=1):
+            if not raw.strip():
                 continue
             try:
-                rows.append((line_no, json.loads(line)))
+                rows.append((line_no, json.loads(raw.decode("utf-8"))))
+            except UnicodeDecodeError as exc:  # a row, not the file: `data.bad_rows=skip` can leave it out
+                byte = raw[exc.start : exc.start + 1].hex()
+                rows.append((line_no, DatasetError(f"{source}: row {line_no}: not UTF-8 text (byte 0x{byte} at "
+                                                   f"column {exc.start + 1})")))  # fmt: skip
             except json.JSONDecodeError as exc:
                 rows.append((line_no, DatasetError(f"{source}: row {line_no}: not valid JSON: {exc}")))
         return rows
     if path.suffix == ".parquet":
-        if not path.exists():
-            raise DatasetError(f"{source}: no such file")
+        import pyarrow
         import pyarrow.parquet as pq
 
-        return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        _read_file(path, source, probe=True)
+        try:
+            return list(enumerate(pq.read_table(path).to_pylist(), start=1))
+        except (pyarrow.ArrowException, OSError) as exc:
+            raise DatasetError(f"{source}: not a readable parquet file ({exc})") from None
     import datasets
 
     try:
         return list(enumerate(datasets.load_dataset(source, subset, split=split), start=1))
     except Exception as exc:  # the hub client raises many types; name the source and keep the cause
         raise DatasetError(f"{source}: could not load as a `datasets` hub name ({type(exc).__name__}: {exc})") from exc
+
+
+def _read_file(path: Path, source: str, probe: bool = False) -> bytes:
+    """A data file's bytes (`probe`: only that it can be read), or DatasetError saying why not."""
+    if path.is_dir():
+        raise DatasetError(f"{source}: is a directory, not a data file")
+    if not path.exists():
+        raise DatasetError(f"{source}: no such file")
+    try:
+        if probe:
+            with path.open("rb") as f:
+                f.read(1)
+            return b""
+        return path.read_bytes()
+    except OSError as exc:
+        raise DatasetError(f"{source}: cannot be read ({exc.strerror or exc})") from None
 
 
 def load_prompts(cfg: DatasetConfig, bad_rows: str = "error") -> tuple[list[Prompt], LoadStats]:

@@ -69,6 +69,23 @@ def test_bad_rows_name_file_row_and_field(tmp_path):
         load_prompts(DatasetConfig(source=path, task="code"))
 
 
+def test_files_that_cannot_be_read_as_data_name_the_file(tmp_path):
+    """A directory with a data file's name, a file that is not parquet, a line that is not UTF-8: one DatasetError
+    naming the file (and row), not a traceback from the reader."""
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(DatasetError, match=r"dir.jsonl: is a directory, not a data file"):
+        load_prompts(DatasetConfig(source=str(tmp_path / "dir.jsonl"), task="math"))
+    (tmp_path / "fake.parquet").write_text("a,b\n1,2\n")
+    with pytest.raises(DatasetError, match=r"fake.parquet: not a readable parquet file"):
+        load_prompts(DatasetConfig(source=str(tmp_path / "fake.parquet"), task="math"))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "1+1?", "answer": "2"}\n{"prompt": "caf\xe9?", "answer": "3"}\n')
+    with pytest.raises(DatasetError, match=r"latin.jsonl: row 2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_prompts(DatasetConfig(source=str(latin), task="math"))
+    prompts, stats = load_prompts(DatasetConfig(source=str(latin), task="math"), bad_rows="skip")
+    assert [p.answer for p in prompts] == ["2"] and stats.skipped == 1
+
+
 def test_bad_rows_can_be_skipped_and_counted(tmp_path):
     rows = [{"problem": "1+1?", "answer": 2}, {"problem": ""}, {"question": "3+3?", "solution": "6"}, "[1, 2]"]
     prompts, stats = load_prompts(DatasetConfig(source=_write(tmp_path, rows), task="math"), bad_rows="skip")

@@ -31,20 +31,25 @@ def _refused(done: subprocess.CompletedProcess, status: int, message: str) -> No
     [
         (["data.datasets=[{source: /nonexistent/rows.jsonl, task: math}]"], 3, "megatron-rl: data error: "),
         (["data.datasets=[{source: ROWS, task: math}]", "data.val_prompts=1"], 3, "megatron-rl: data error: "),
+        (["data.datasets=[{source: DIR, task: math}]"], 3, "is a directory, not a data file"),
         (
             ["data.datasets=[{source: ROWS_OK, task: math}]", "data.val_prompts=1"],
             2,
             "megatron-rl: config error: trainer.warm_start_steps: the warm-up needs synthetic tasks",
         ),
     ],
-    ids=["missing-dataset", "malformed-row", "warm-up-needs-synthetic-data"],
+    ids=["missing-dataset", "malformed-row", "directory-named-like-a-file", "warm-up-needs-synthetic-data"],
 )
 def test_a_refused_start_is_one_line_with_its_own_status_and_writes_nothing(tmp_path, overrides, status, message):
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": 3}\n')
     good = tmp_path / "good.jsonl"
     good.write_text("".join(json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(8)))
-    overrides = [o.replace("ROWS_OK", str(good)).replace("ROWS", str(rows)) for o in overrides]
+    (tmp_path / "dir.jsonl").mkdir()
+    overrides = [
+        o.replace("ROWS_OK", str(good)).replace("ROWS", str(rows)).replace("DIR", str(tmp_path / "dir.jsonl"))
+        for o in overrides
+    ]
     run_dir = tmp_path / "runs" / "refused"
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text("the earlier start's config\n")
