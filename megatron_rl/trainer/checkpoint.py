@@ -107,6 +107,8 @@ def damaged(path: Path) -> list[str]:
     problems = [f"lacks {', '.join(lacking)}"] if lacking else []
     manifest = path / MANIFEST
     if not manifest.is_file():
+        if _saved_with_manifest(path):  # deleted since: nothing left to check the shards against
+            problems.append(f"{MANIFEST} missing (its save wrote one)")
         return problems
     try:
         files = json.loads(manifest.read_text())["files"]
@@ -122,6 +124,14 @@ def damaged(path: Path) -> list[str]:
         elif "sha256" in entry and _sha256(file) != entry["sha256"]:
             problems.append(f"{name} differs from what was saved (checksum)")
     return sorted(set(problems), key=problems.index)
+
+
+def _saved_with_manifest(path: Path) -> bool:
+    """Whether the save of `path` wrote a manifest (its megatron_rl.json says so; older saves did not)."""
+    try:
+        return json.loads((path / "megatron_rl.json").read_text()).get("manifest") == MANIFEST
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def incomplete(path: Path) -> list[str]:
@@ -222,6 +232,7 @@ def save_checkpoint(trainer: Trainer, root: Path, run_state: dict[str, Any], kee
             "params_dtype": trainer.run.trainer.params_dtype,
             "run": to_dict(trainer.run),  # the resolved config a resume is compared with (orchestration/resume.py)
             "data_fingerprints": run_state.get("data_fingerprints"),
+            "manifest": MANIFEST,  # written last: a checkpoint whose manifest is gone is damaged, not old
         }
         (tmp / "megatron_rl.json").write_text(json.dumps(meta, indent=2))
     # On disk before the rename: after a node loss the rename (and `latest`) can survive while the data they

@@ -48,12 +48,25 @@ def _saved(root, step: int):
 
     path = root / f"step_{step:08d}"
     path.mkdir(parents=True)
-    (path / "megatron_rl.json").write_text(json.dumps({"step": step}))
+    (path / "megatron_rl.json").write_text(json.dumps({"step": step, "manifest": "manifest.json"}))
     (path / "run_state.pt").write_bytes(bytes(range(256)) * 40)
     (path / "metadata.json").write_text("{}")
     (path / "__0_0.distcp").write_bytes(b"\x01" * 100_000)
     write_manifest(path)
     return path
+
+
+def _manifest_deleted_and_shard_cut(path):
+    """Nothing left to check the shards against: the checkpoint cannot be trusted (megatron would fail deep inside its
+    load with a long traceback on the cut shard)."""
+    (path / "manifest.json").unlink()
+    (path / "__0_0.distcp").write_bytes(b"\x01" * 50_000)
+
+
+def test_a_checkpoint_from_before_manifests_is_judged_by_its_files(tmp_path):
+    old = _checkpoint(tmp_path, 2)  # megatron_rl.json without a manifest stamp, no manifest
+    (tmp_path / "latest").write_text(old.name)
+    assert latest_checkpoint(tmp_path) == old
 
 
 @pytest.mark.parametrize(
@@ -67,8 +80,9 @@ def _saved(root, step: int):
         (lambda p: (p / "megatron_rl.json").write_text(""), "megatron_rl.json has 0 bytes"),
         (lambda p: (p / "run_state.pt").write_bytes(bytes(reversed(range(256))) * 40), "run_state.pt differs"),
         (lambda p: (p / "__0_0.distcp").unlink(), "__0_0.distcp missing"),
+        (_manifest_deleted_and_shard_cut, "manifest.json missing (its save wrote one)"),
     ],
-    ids=["truncated-shard", "cut-run-state", "empty-json", "changed-run-state", "missing-shard"],
+    ids=["truncated-shard", "cut-run-state", "empty-json", "changed-run-state", "missing-shard", "no-manifest"],
 )
 def test_a_damaged_newest_checkpoint_is_named_and_the_newest_intact_one_used(tmp_path, capsys, damage, named):
     from megatron_rl.trainer.checkpoint import damaged
