@@ -22,6 +22,7 @@ import torch, Megatron, SGLang or Ray.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import shlex
@@ -272,6 +273,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
         prefix = "" if name == "stopped" else f"{name} error: "
         print(f"megatron-rl: {prefix}{_one_line(exc)}", file=sys.stderr)
         return EXIT_CODES[name]
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" writing {exc.filename or Path(config.output_dir) / config.name}"
+        print(
+            f"megatron-rl: filesystem error: {os.strerror(exc.errno)}{where}; free space or move output_dir, then run "
+            "the same command to resume from the last complete checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_CODES["filesystem"]
     print(f"run directory: {run_dir}")
     return 0
 

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import shutil
 import signal
 import threading
 import time
@@ -240,7 +241,18 @@ class Parts:
             "in_flight_groups": len(self.pipeline.buffer) + len(self.pipeline.tasks),
             "data_fingerprints": self.fingerprints,
         }
-        await self.trainers.call("save", str(self.run_dir / "checkpoints"), state, self.run.checkpoint.keep_last)
+        root = self.run_dir / "checkpoints"
+        try:
+            await self.trainers.call("save", str(root), state, self.run.checkpoint.keep_last)
+        except Exception as exc:
+            full = out_of_space(root, exc)
+            if full is None:
+                raise
+            raise RunStopped(
+                f"the checkpoint of step {step} could not be written: {full}. Nothing before it is lost "
+                f"({_last_checkpoint(self.run_dir)}); free space or move output_dir, then run the same command to "
+                "resume"
+            ) from exc
         self.saved = step
 
     async def close(self) -> None:
@@ -662,6 +674,21 @@ def _check_writable(run_dir: Path) -> None:
     if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
         what = "is not a directory" if not existing.is_dir() else "is not writable"
         raise ConfigError(f"output_dir: {existing} {what}, so the run directory {run_dir} cannot be written")
+
+
+def out_of_space(path: Path, exc: BaseException) -> str | None:
+    """Why a write under `path` failed when the file system is full, else None. The error a save raises in a trainer
+    rank rarely says so (torch's checkpoint writer wraps the OSError, Ray wraps that again), so the file system is
+    asked too: full when it has less free space than the newest checkpoint takes (what the save needed), or none."""
+    text = f"{exc!r} {exc}"
+    mount = path if path.exists() else path.parent
+    usage = shutil.disk_usage(mount)
+    newest = max((p for p in path.glob("step_*") if p.is_dir()), default=None) if path.exists() else None
+    needed = sum(f.stat().st_size for f in newest.rglob("*") if f.is_file()) if newest is not None else 0
+    if "No space left on device" in text or "Errno 28" in text or usage.free < max(needed, 1 << 20):
+        size = lambda n: f"{n / 1e9:.2f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"  # noqa: E731
+        return f"no space left on device ({size(usage.free)} free of {size(usage.total)} at {mount})"
+    return None
 
 
 def _last_checkpoint(run_dir: Path) -> str:
