@@ -1,5 +1,5 @@
-"""The check every GPU node passes before Ray starts on it: its NVIDIA driver runs the image's CUDA, and its GPUs
-are as many and as large as the run was planned for.
+"""The check every GPU node passes before Ray starts on it: its NVIDIA driver runs the image's CUDA, its GPUs
+are as many and as large as the run was planned for, and Transformer Engine imports where the run uses it.
 
     megatron-rl node-check --recipe R --model M [--gpus 8] [overrides]      (slurm/bootstrap.sh, once per node)
 
@@ -74,6 +74,12 @@ def check_node(run: RunConfig, expected: int | None = None) -> str:
     host = socket.gethostname()
     gpus = query_gpus()
     problems = node_problems(run, gpus, expected)
+    if run.trainer_uses_transformer_engine:  # a broken binding fails at model build as a bare TypeError otherwise
+        from megatron_rl.trainer.model import transformer_engine_import_error
+
+        broken = transformer_engine_import_error()
+        if broken is not None:
+            problems.append(f"Transformer Engine is installed but does not import ({broken})")
     if problems:
         raise ConfigError(f"node-check: {host}: " + "; ".join(problems))
     return (

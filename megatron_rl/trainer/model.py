@@ -42,6 +42,15 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
         return False
     if _standin():  # this process builds what a GPU node builds (te_standin.install())
         return True
+    broken = transformer_engine_import_error()
+    if broken is not None and torch.cuda.is_available():
+        # Installed on a GPU node but its torch binding does not import: megatron-core catches that import error,
+        # builds Transformer Engine's layer spec from stand-ins and fails with a bare TypeError at the first layer.
+        # Falling back to the local spec would change the run's kernels and memory from what was planned.
+        raise RuntimeError(
+            f"Transformer Engine is installed but does not import ({broken}): the GPU image's build is broken "
+            "(rebuild it, env/megatron_rl.def or env/Dockerfile), or set trainer.layer_spec=local"
+        )
     try:
         import transformer_engine  # noqa: F401
 
@@ -54,6 +63,21 @@ def use_transformer_engine(trainer: TrainerConfig) -> bool:
             "available; use trainer.layer_spec=local or auto"
         )
     return available
+
+
+def transformer_engine_import_error() -> str | None:
+    """Why Transformer Engine's torch binding, as megatron-core imports it, fails to import where the package is
+    installed (`ImportError: ... undefined symbol ...` of a binding built against another torch or CUDA); None when
+    it imports or is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        return None
+    try:
+        from transformer_engine.pytorch.fp8 import FP8GlobalStateManager  # noqa: F401
+    except Exception as exc:  # ImportError, OSError of a missing .so, RuntimeError of the meta-package
+        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+    return None
 
 
 def _standin() -> bool:

@@ -80,3 +80,21 @@ def test_trainer_ranks_run_with_expandable_segments(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     TrainerWorker().setup(run, 0, 1, "127.0.0.1", 29500)
     assert seen == ["expandable_segments:True", "max_split_size_mb:512"]
+
+
+def test_a_node_whose_transformer_engine_does_not_import_is_refused(tmp_path):
+    """The image's Transformer Engine binding built against another torch: named by the node check, before Ray."""
+    package = tmp_path / "site" / "transformer_engine"
+    (package / "pytorch").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "pytorch" / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{H100}\\n'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:/usr/bin:/bin", PYTHONPATH=str(tmp_path / "site"), PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "megatron_rl.cli", "node-check", "--model", "llama3_8b"]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Transformer Engine is installed but does not import (ImportError: undefined symbol: _ZN3c10)" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
