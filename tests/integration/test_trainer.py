@@ -393,6 +393,28 @@ def test_parallel_layouts_match_a_single_rank(tmp_path, model, layout):
             torch.testing.assert_close(whole[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "layout",
+    [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2"]],
+    ids=["tp2_sp", "cp2"],
+)
+def test_layouts_from_the_trained_policy_match_a_single_rank(tmp_path, trained_policy, layout):
+    """The layouts users train the CPU policy with, started from its Hugging Face checkpoint (trained weights, whose
+    log-probs are peaked, not a random model's near-uniform ones): each rank imports its shards, and log-probs, loss
+    and gradient norm of two on-policy steps equal one rank's."""
+    single = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
+    spec = {"hf": str(trained_policy), "steps": 2, "on_policy": True}
+    (ref,) = _run(tmp_path, "ref", {**spec, "overrides": LR + single})
+    ranks = _run(tmp_path, "par", {**spec, "overrides": LR + single[:3] + layout + ["parallel.trainer_devices=2"]}, 2)
+    assert ref["steps"][0]["train/loss"] != 0.0 and ref["steps"][1]["train/loss"] != ref["steps"][0]["train/loss"]
+    for rank in ranks:
+        assert _max_diff(rank["logprobs"], ref["logprobs"]) < 2e-5
+        for step, expected in zip(rank["steps"], ref["steps"], strict=True):
+            assert step["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-5, abs=1e-6)
+            assert step["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
+
+
 def _whole_tp_grads(ranks: list[dict]) -> dict[str, torch.Tensor]:
     """Full gradients from the gradients of TP ranks 0..n-1 (one data-parallel rank): a TP-split parameter's
     shards joined along its split dimension (SwiGLU's fc1 shard r is [gate_r; up_r]); any other parameter's
