@@ -14,7 +14,9 @@ clipped), `train/entropy`, `train/staleness_mean` / `_max`, `train/effective_gro
 KL(pi_gen || pi_train) per loss token) and `train/mismatch_masked` (sequences left out by `algo.mismatch_mask`).
 MoE runs with routing records add `train/routing_agreement` (share of routed tokens whose expert set the trainer
 chose as the generator did, all MoE layers), `train/routing_agreement_min` (the lowest layer's) and
-`train/routing_agreement/layerNN`.
+`train/routing_agreement/layerNN`: the trainer's own choices, counterfactual under replay. Beside them
+`train/routing_replayed` says whether replay happened: the share of routed tokens whose experts were taken from
+the generator's records (1.0 with `algo.routing_replay=rollout`, 0.0 with `measure`; trainer/routing.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ CONSOLE_FIELDS = [
     ("train/mismatch_kl", "kl", "{:.1e}"),
     ("train/routing_agreement", "route", "{:.1%}"),
     ("train/routing_agreement_min", "route-min", "{:.1%}"),
+    ("train/routing_replayed", "replayed", "{:.1%}"),
     ("train/staleness_mean", "stale", "{:.2f}"),
     ("train/effective_groups", "groups", "{:.0f}"),
     ("time/step_s", "s", "{:.1f}"),

@@ -2,7 +2,7 @@
 
     replays = install(model, replay=True)        # one RolloutReplay per local MoE router (algo.routing_replay)
     set_targets(replays, micro_batch, sp_rank)   # before each micro-batch's forward: the generator's choices
-    agreement = read_agreement(replays, ...)     # per layer: share of tokens whose expert set matched
+    sums = agreement_sums(replays, ...)          # per layer: tokens whose expert set matched, tokens replayed
 
 Why: the generator (SGLang) and the trainer (megatron-core) compute the router logits with different kernels,
 so a token close to a top-k boundary can go to different experts on the two sides, and then its log-prob differs
@@ -25,7 +25,10 @@ layer number. Tokens the generator never ran (each sequence's last token, paddin
 placeholder experts 0..k-1 and are left out of the agreement: nothing is predicted from their outputs.
 
 `measure` (no replay) routes as usual and only counts the agreement with the generator's choices. Every forward
-counts it (not the recomputations), on device, read once per step.
+counts it (not the recomputations), on device, read once per step, beside the share of the routed tokens whose
+experts the router really took from the records (`replayed` of `offered`): 1.0 under `rollout` when every token
+given targets was routed by them, 0.0 under `measure`, and below 1.0 if megatron ever routed a forward without
+asking the hook. The agreement alone cannot tell a replayed step from an unreplayed one.
 """
 
 from __future__ import annotations
@@ -57,10 +60,15 @@ class RolloutReplay(_router_replay_base()):  # type: ignore[misc]
         self.valid_T: Tensor | None = None
         self.matched = torch.zeros((), dtype=torch.float64)
         self.counted = torch.zeros((), dtype=torch.float64)
+        self.replayed = torch.zeros((), dtype=torch.float64)
+        """Routed tokens whose experts were the targets (forwards only): `counted` under rollout, 0 under measure."""
+        self.offered = 0
+        """Routed tokens given targets by `set_targets` (forwards only), whether or not the router then asked."""
 
     def set_targets(self, target_TK: Tensor, valid_T: Tensor) -> None:
         self.set_target_indices(target_TK)
         self.valid_T = valid_T
+        self.offered += int(valid_T.sum())
 
     def get_replay_topk(
         self,
@@ -104,12 +112,16 @@ class RolloutReplay(_router_replay_base()):  # type: ignore[misc]
         same = (own.sort(dim=1).values == target.sort(dim=1).values).all(dim=1) & valid
         self.matched = self.matched.to(own.device) + same.sum()
         self.counted = self.counted.to(own.device) + valid.sum()
+        if self.replay:
+            self.replayed = self.replayed.to(own.device) + valid.sum()
 
     def reset(self) -> None:
         self.clear_indices()
         self.valid_T = None
         self.matched = torch.zeros((), dtype=torch.float64, device=self.matched.device)
         self.counted = torch.zeros((), dtype=torch.float64, device=self.counted.device)
+        self.replayed = torch.zeros((), dtype=torch.float64, device=self.replayed.device)
+        self.offered = 0
 
 
 def install(model: Any, replay: bool) -> list[RolloutReplay]:
@@ -146,10 +158,12 @@ def reset(replays: list[RolloutReplay]) -> None:
 
 
 def agreement_sums(replays: list[RolloutReplay], num_layers: int, device: torch.device) -> Tensor:
-    """[2, num_layers] float64: matched and counted tokens of this rank's layers (zeros elsewhere), to be summed
-    over the ranks that see distinct tokens."""
-    sums = torch.zeros(2, num_layers, dtype=torch.float64, device=device)
+    """[4, num_layers] float64: matched, counted, replayed and offered tokens of this rank's layers (zeros
+    elsewhere), to be summed over the ranks that see distinct tokens."""
+    sums = torch.zeros(4, num_layers, dtype=torch.float64, device=device)
     for replay in replays:
         sums[0, replay.layer] += replay.matched.to(device)
         sums[1, replay.layer] += replay.counted.to(device)
+        sums[2, replay.layer] += replay.replayed.to(device)
+        sums[3, replay.layer] += replay.offered
     return sums

@@ -374,6 +374,8 @@ class Trainer:
                 if seq.routing is None:
                     raise ValueError(f"{what} has no routing record (the generator returned none)")
                 self.routing_shape.check(seq.routing, len(seq.tokens) - 1, what)
+            what = f"algo.routing_replay={self.run.algo.routing_replay}: the batch"
+            self.routing_shape.check_captured([seq.routing for seq in sequences if seq.routing is not None], what)
         longest = max(sequences, key=lambda s: len(s.tokens))
         if parallel.padded_row([len(longest.tokens)]) > budget:  # same batch on every rank: all raise here
             raise ValueError(
@@ -555,8 +557,10 @@ class Trainer:
             routing.reset(self.replays)
 
     def _routing_agreement(self) -> dict[str, float]:
-        """train/routing_agreement (all routed tokens of all MoE layers) and per layer, from the forwards since
-        the last reset: each token counted once (on every sequence-parallel shard, on TP rank 0 without SP)."""
+        """train/routing_agreement (all routed tokens of all MoE layers) and per layer, and train/routing_replayed
+        (the share of them routed by the generator's records: 1.0 under rollout replay, 0.0 under measure), from
+        the forwards since the last reset: each token counted once (on every sequence-parallel shard, on TP rank 0
+        without SP)."""
         if self.routing_shape is None:
             return {}
         from megatron.core import parallel_state
@@ -569,16 +573,19 @@ class Trainer:
             sums.zero_()
         if dist.get_world_size() > 1:
             dist.all_reduce(sums)
-        matched, counted = sums.cpu().tolist()
+        matched, counted, replayed, offered = sums.cpu().tolist()
         routing.reset(self.replays)
+        # over the tokens given targets, not those the router asked about: a router that never asked is 0.0 here
+        out = {"train/routing_replayed": sum(replayed) / sum(offered)} if sum(offered) > 0 else {}
         layers = [i for i, n in enumerate(counted) if n > 0]
         if not layers:
-            return {}
+            return out
         per_layer = {f"train/routing_agreement/layer{i:02d}": matched[i] / counted[i] for i in layers}
         return {
             "train/routing_agreement": sum(matched[i] for i in layers) / sum(counted[i] for i in layers),
             "train/routing_agreement_min": min(per_layer.values()),
             **per_layer,
+            **out,
         }
 
     def _last_lr(self) -> float:

@@ -114,6 +114,10 @@ def test_replay_routes_by_the_records_in_forward_and_backward(tmp_path, hf_model
         assert set(agreement) >= {"train/routing_agreement/layer00", "train/routing_agreement/layer01"}
         train_step = result["step_metrics"][0]  # the train step's forward measures the same as compute_logprobs
         assert train_step["train/routing_agreement"] == pytest.approx(agreement["train/routing_agreement"])
+    # ... so what was used is logged beside it: every routed token replayed, or none
+    for result, share in ((replayed, 1.0), (measured, 0.0)):
+        assert result["routing_agreement"]["train/routing_replayed"] == share
+        assert result["step_metrics"][0]["train/routing_replayed"] == share
 
 
 @pytest.mark.parametrize(
@@ -152,6 +156,7 @@ def test_replay_is_the_same_at_every_layout(tmp_path, hf_model, layout):
             assert step["train/loss"] == pytest.approx(expected["train/loss"], rel=1e-5, abs=1e-6)
             assert step["train/grad_norm"] == pytest.approx(expected["train/grad_norm"], rel=1e-5)
             assert step["train/routing_agreement"] == pytest.approx(expected["train/routing_agreement"])
+            assert step["train/routing_replayed"] == 1.0
 
 
 REFUSALS = """
@@ -175,13 +180,17 @@ with pytest.raises(ValueError, match=r"shape \\[.*, 2, 3\\], expected \\[tokens=
 records(2, 2, 9)
 with pytest.raises(ValueError, match=r"expert ids in \\[9, 9\\], the model has 4 experts"):
     trainer.train_step(batch)
+records(2, 2, 0)  # SGLang's capture buffer never written: in range, and every token would go to expert 0
+with pytest.raises(ValueError, match=r"the batch: every routing record is expert 0 .*--moe-runner-backend,triton"):
+    trainer.train_step(batch)
 print("refused")
 """
 
 
 def test_a_missing_or_misshapen_record_stops_the_step():
     """No silently unreplayed step: a completion without a record, or one of the wrong shape or expert ids, is
-    refused naming the completion and the field, before any collective."""
+    refused naming the completion and the field, and a batch of records SGLang never filled in (all expert 0)
+    naming the engine flag, before any collective."""
     from megatron_rl.trainer.distributed import free_port
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

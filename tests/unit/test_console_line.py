@@ -27,3 +27,10 @@ def test_every_console_field_is_a_logged_metric():
 def test_the_step_line_shows_the_logprob_mismatch():
     line = console_line(7, {"train/mismatch": 0.0123, "train/reward": 0.5, "train/loss": float("nan")})
     assert line.startswith("step     7") and "|dlogp| 0.0123" in line and "reward +0.500" in line and "loss" not in line
+
+
+def test_the_step_line_shows_whether_routing_was_replayed_beside_the_agreement():
+    """The agreement is the trainer's own routing, counterfactual under replay: the line also says what was used."""
+    row = {"train/routing_agreement": 0.873, "train/routing_agreement_min": 0.81, "train/routing_replayed": 1.0}
+    assert "route 87.3% | route-min 81.0% | replayed 100.0%" in console_line(3, row)
+    assert "replayed 0.0%" in console_line(3, {**row, "train/routing_replayed": 0.0})
