@@ -377,7 +377,9 @@ class SGLangClient:
 
     def _routing(self, meta: dict[str, Any], rows: int, out: Any) -> np.ndarray:
         """meta_info.routed_experts (base64 of int32 [rows, layers, top-k]) as compact ids, checked against the
-        model's shape: a missing or short record is a malformed answer, never a silently unreplayed sequence."""
+        model's shape: a missing or short record is a malformed answer, never a silently unreplayed sequence; a
+        record SGLang never filled in (all 0, RoutingShape.check_captured) stops the run with the engine flag
+        to change."""
         assert self.routing is not None
         raw = meta.get("routed_experts")
         if not isinstance(raw, str):
@@ -398,6 +400,11 @@ class SGLangClient:
             self.routing.check(record, rows, "/generate: meta_info.routed_experts")
         except ValueError as exc:
             raise EngineRequestError(self.url, str(exc), 200) from exc
+        if self.routing.topk > 1:
+            # A record never written (all 0) is the engine's configuration, the same on every engine: a ValueError
+            # the balancer does not retry (nor restart engines over), not a garbled answer. Top-1 records are
+            # judged by the batch, in the trainer.
+            self.routing.check_captured([record], f"/generate from {self.url}: meta_info.routed_experts")
         return record.astype(self.routing.dtype)
 
     def _versions(self, meta: dict[str, Any], n: int, out: Any) -> list[int]:

@@ -52,6 +52,28 @@ class RoutingShape:
                 f"the model has {self.experts} experts"
             )
 
+    def check_captured(self, records: list[np.ndarray], what: str) -> None:
+        """Raise ValueError naming `what` when every id of `records` is 0: SGLang's capture buffer as it started.
+
+        SGLang records the routed experts only on its standard top-k path; the MoE runners that route inside their
+        fused kernel (`--moe-runner-backend flashinfer_trtllm`, `flashinfer_mxfp4`, `triton_kernel`, and `auto`
+        where it picks one, as for Qwen3-MoE on Blackwell) never write the buffer, so every record stays 0 and
+        passes the shape and range checks. Replayed, such records would send every token to expert 0. They are
+        refused rather than skipped: a run asked to replay that silently does not is another experiment, and the
+        engine's flag is the fix. At top-k > 1 one such record decides it (a top-k picks k distinct experts, never
+        expert 0 k times); at top-1 it takes a batch of them (a router choosing expert 0 for every token at every
+        layer of a whole batch has collapsed, and replaying it teaches nothing either)."""
+        if any(record.any() for record in records) or not any(record.size for record in records):
+            return
+        raise ValueError(
+            f"{what}: every routing record is expert 0 at every layer: SGLang did not capture the routed experts "
+            "(its fused-kernel MoE runners flashinfer_trtllm, "
+            "flashinfer_mxfp4 and triton_kernel, or `auto` picking one, route inside the kernel and leave the "
+            "records at 0), and replaying them would send every token to expert 0. Run the engines with a runner "
+            "that records them (rollout.engine.extra_args=[--moe-runner-backend,triton]) or set "
+            "algo.routing_replay=none"
+        )
+
 
 @dataclass
 class Completion:

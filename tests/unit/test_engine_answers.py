@@ -164,3 +164,39 @@ def test_a_missing_or_misshapen_routing_record_is_a_request_error(generate_serve
     with pytest.raises(EngineRequestError) as error:
         _generate(generate_server, body, routing=SHAPE)
     assert error.value.status == 200 and "routed_experts" in str(error.value) and named in str(error.value)
+
+
+def test_routing_records_sglang_never_wrote_stop_the_run_naming_the_engine_flag(generate_server):
+    """SGLang's fused-kernel MoE runners leave every record at 0, which passes the shape and range checks: at top-2
+    one such record is refused (two picks of expert 0 are no top-2) as a configuration error, which no other
+    engine would answer differently, so the balancer neither retries it nor restarts engines over it."""
+
+    async def main() -> EngineBalancer:
+        runner, url = await generate_server(_answering([(_routed([0] * 12), "application/json")] * 2))
+        clients = [SGLangClient(url, timeout_s=10, routing=SHAPE), SGLangClient(url, timeout_s=10, routing=SHAPE)]
+        balancer = EngineBalancer(clients, SamplingConfig(), max_retries=1)
+        try:
+            with pytest.raises(ValueError, match=r"every routing record is expert 0 .*--moe-runner-backend,triton"):
+                await balancer([1, 2], 4, [])
+            return balancer
+        finally:
+            for client in clients:
+                await client.close()
+            await runner.cleanup()
+
+    balancer = asyncio.run(main())
+    assert (balancer.failures, balancer.retries) == (0, 0)
+    # top-1 (Llama-4): one sequence routed to expert 0 throughout may be real; the trainer judges the whole batch
+    top1 = RoutingShape(layers=2, topk=1, experts=4)
+    assert _generate(generate_server, _routed([0] * 6), routing=top1).routing.tolist() == [[[0], [0]]] * 3
+
+
+def test_a_batch_of_records_all_at_expert_0_is_refused_whatever_the_top_k():
+    import numpy as np
+
+    top1 = RoutingShape(layers=2, topk=1, experts=4)
+    zeros = [np.zeros((n, 2, 1), np.uint8) for n in (3, 5)]
+    with pytest.raises(ValueError, match="the batch: every routing record is expert 0 at every layer"):
+        top1.check_captured(zeros, "the batch")
+    top1.check_captured([*zeros, np.ones((2, 2, 1), np.uint8)], "the batch")  # one token elsewhere: a router
+    top1.check_captured([np.zeros((0, 2, 1), np.uint8)], "the batch")  # nothing routed, nothing to judge
