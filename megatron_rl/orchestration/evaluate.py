@@ -13,9 +13,10 @@ with the run's engine layout), sampling and budgets are the run's rollout settin
 `eval.downstream` logs during training. Inside a run, its resolved config.yaml is used (--recipe/--model
 only for a bare Hugging Face directory); dotted overrides apply on top.
 
-Prints a table per model (mean@n and pass@k with standard errors; with --start also the gain, its standard
-error paired over problems) and writes everything, with the sampling settings, to --json (default
-<out>/results.json).
+Prints a table per model (problems evaluated and skipped as longer than rollout.max_prompt_tokens, mean@n and
+pass@k with standard errors, `n/a` where no problem was left; with --start also the gain, its standard error paired
+over problems) and writes everything, with the sampling settings, to --json (default <out>/results.json; null
+where the table says n/a).
 """
 
 from __future__ import annotations
@@ -211,11 +212,12 @@ async def evaluate_model(run: RunConfig, hf_dir: Path, out: Path, sets: dict[str
         await engines.stop()
 
 
-def gain(start: BenchmarkResult, end: BenchmarkResult) -> tuple[float, float]:
-    """mean@n of `end` minus `start`, with its standard error paired over the problems both evaluated."""
+def gain(start: BenchmarkResult, end: BenchmarkResult) -> tuple[float, float] | None:
+    """mean@n of `end` minus `start`, with its standard error paired over the problems both evaluated; None (n/a)
+    when they evaluated none in common (every problem skipped as too long)."""
     common = [pid for pid in end.passed if pid in start.passed]
     diffs = [(end.passed[pid] - start.passed[pid]) / end.samples for pid in common]
-    return mean_and_se(diffs) if diffs else (float("nan"), float("nan"))
+    return mean_and_se(diffs) if diffs else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -296,9 +298,13 @@ def _report(
         payload["gain"] = {}
         print("gain (checkpoint - start), mean@n, standard error paired over problems:")
         for name, end in results["checkpoint"][1].items():
-            value, se = gain(results["start"][1][name], end)
-            payload["gain"][name] = {"mean": value, "se": se}
-            print(f"  {name}: {value:+.3f} ± {se:.3f}")
+            paired = gain(results["start"][1][name], end)
+            if paired is None:
+                payload["gain"][name] = {"mean": None, "se": None}
+                print(f"  {name}: n/a (no problem evaluated in both)")
+                continue
+            payload["gain"][name] = {"mean": paired[0], "se": paired[1]}
+            print(f"  {name}: {paired[0]:+.3f} ± {paired[1]:.3f}")
     text = ", ".join(f"{k} {v}" for k, v in settings.items())
     print(f"sampling: {text}")
     path = Path(json_path) if json_path else out / "results.json"

@@ -12,7 +12,10 @@ Metrics of a benchmark with N problems, n samples each and c_i passes on problem
     *_se     = sd_i(per-problem value) / sqrt(N)            the standard error over problems (N - 1 in sd)
 
 pass@1 equals mean@n. Keys logged: `downstream/<bench>/mean@<n>`, `downstream/<bench>/pass@<k>` (k = 1, 2,
-4, ... up to n, and n), each with `_se`, and `downstream/<bench>/problems`.
+4, ... up to n, and n), each with `_se`, `downstream/<bench>/problems` (evaluated) and
+`downstream/<bench>/skipped_long` (left out: prompt longer than rollout.max_prompt_tokens). A benchmark with no
+problem left to evaluate has no mean@n or pass@k: its row carries only the counts, its table row reads `n/a`, and
+results.json holds null, never a 0.000 that reads as a measured failure.
 """
 
 from __future__ import annotations
@@ -74,20 +77,22 @@ class BenchmarkResult:
     """n per problem."""
     passed: dict[str, int]
     """problem id -> correct samples (of n)."""
-    mean: float = 0.0
-    mean_se: float = 0.0
+    mean: float | None = None
+    """mean@n; None when no problem was evaluated (n/a, not a pass rate of 0)."""
+    mean_se: float | None = None
     pass_at: dict[int, tuple[float, float]] = field(default_factory=dict)
-    """k -> (pass@k, its standard error)."""
-    truncated: float = 0.0
-    """Share of completions cut by the answer budget (finish reason 'length')."""
+    """k -> (pass@k, its standard error); empty when no problem was evaluated."""
+    truncated: float | None = None
+    """Share of completions cut by the answer budget (finish reason 'length'); None without completions."""
     skipped_long: int = 0
     """Problems whose prompt is longer than rollout.max_prompt_tokens: not sampled, not counted."""
 
     @classmethod
-    def of(cls, name: str, samples: int, passed: dict[str, int], truncated: float, skipped_long: int = 0):
-        result = cls(name, samples, passed, truncated=truncated, skipped_long=skipped_long)
+    def of(cls, name: str, samples: int, passed: dict[str, int], truncated: float | None, skipped_long: int = 0):
+        result = cls(name, samples, passed, skipped_long=skipped_long)
         counts = list(passed.values())
         if counts:
+            result.truncated = truncated
             result.mean, result.mean_se = mean_and_se([c / samples for c in counts])
             for k in ks_for(samples):
                 result.pass_at[k] = mean_and_se([pass_at_k(samples, c, k) for c in counts])
@@ -95,15 +100,20 @@ class BenchmarkResult:
 
     @property
     def problems(self) -> int:
+        """Problems evaluated (those skipped as too long not counted)."""
         return len(self.passed)
 
     def metrics(self, prefix: str = "downstream") -> dict[str, float]:
+        """The row's keys; without an evaluated problem only the counts (a missing value, not a 0 pass rate)."""
         base = f"{prefix}/{self.name}"
-        out = {f"{base}/mean@{self.samples}": self.mean, f"{base}/mean@{self.samples}_se": self.mean_se}
+        out = {f"{base}/problems": float(self.problems), f"{base}/skipped_long": float(self.skipped_long)}
+        if self.mean is None or self.mean_se is None:
+            return out
+        out[f"{base}/mean@{self.samples}"], out[f"{base}/mean@{self.samples}_se"] = self.mean, self.mean_se
         for k, (value, se) in self.pass_at.items():
             out[f"{base}/pass@{k}"], out[f"{base}/pass@{k}_se"] = value, se
-        out[f"{base}/problems"] = float(self.problems)
-        out[f"{base}/truncation_rate"] = self.truncated
+        if self.truncated is not None:
+            out[f"{base}/truncation_rate"] = self.truncated
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -223,7 +233,8 @@ async def evaluate_benchmarks(
     results = {}
     for name, sampled in zip(names, await asyncio.gather(*runs), strict=True):
         counts = {pid: sum(passes) for pid, passes in sampled.passed.items()}
-        truncated = sum(f == "length" for f in sampled.finishes) / max(len(sampled.finishes), 1)
+        finishes = sampled.finishes
+        truncated = sum(f == "length" for f in finishes) / len(finishes) if finishes else None
         results[name] = BenchmarkResult.of(name, samples, counts, truncated, sampled.skipped_long)
     return results
 
@@ -249,19 +260,24 @@ def sampling_record(cfg: RolloutConfig, sampling: SamplingConfig, samples: int) 
 
 
 def format_table(results: dict[str, BenchmarkResult], title: str | None = None) -> str:
-    """A plain table: one row per benchmark, mean@n and pass@k with their standard errors."""
+    """A plain table: one row per benchmark, problems evaluated and skipped as too long, mean@n and pass@k with
+    their standard errors (`n/a` for a benchmark with no problem evaluated)."""
     if not results:
         return "(no benchmarks)"
     ks = sorted({k for r in results.values() for k in r.pass_at})
-    head = ["benchmark", "problems", "n", "mean@n", *(f"pass@{k}" for k in ks if k > 1), "trunc"]
+    head = ["benchmark", "problems", "skipped", "n", "mean@n", *(f"pass@{k}" for k in ks if k > 1), "trunc"]
     rows = [head]
     for r in results.values():
-        row = [r.name, str(r.problems), str(r.samples), f"{r.mean:.3f} ± {r.mean_se:.3f}"]
+        row = [r.name, str(r.problems), str(r.skipped_long), str(r.samples)]
+        if r.mean is None or r.mean_se is None:
+            rows.append([*row, "n/a", *("n/a" for k in ks if k > 1), "n/a"])
+            continue
+        row.append(f"{r.mean:.3f} ± {r.mean_se:.3f}")
         for k in ks:
             if k > 1:
                 value = r.pass_at.get(k)
                 row.append(f"{value[0]:.3f} ± {value[1]:.3f}" if value else "")
-        row.append(f"{r.truncated:.1%}")
+        row.append(f"{r.truncated:.1%}" if r.truncated is not None else "n/a")
         rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]

@@ -76,9 +76,40 @@ def test_gain_is_paired_over_problems():
     start = BenchmarkResult.of("m", 4, {"a": 0, "b": 2, "c": 4, "d": 1}, 0.0)
     end = BenchmarkResult.of("m", 4, {"a": 1, "b": 4, "c": 4, "d": 1, "extra": 4}, 0.0)
     diffs = [0.25, 0.5, 0.0, 0.0]  # per common problem
-    value, se = gain(start, end)
-    assert value == pytest.approx(statistics.mean(diffs))
-    assert se == pytest.approx(statistics.stdev(diffs) / 2)
+    paired = gain(start, end)
+    assert paired is not None
+    assert paired[0] == pytest.approx(statistics.mean(diffs))
+    assert paired[1] == pytest.approx(statistics.stdev(diffs) / 2)
+
+
+def test_a_benchmark_whose_problems_were_all_too_long_is_n_a_not_zero(tmp_path, capsys):
+    """Every problem skipped as longer than rollout.max_prompt_tokens: no pass rate at all, shown as such in the
+    table, the training row, results.json and the gain, with the skipped problems counted beside it."""
+    from megatron_rl.orchestration.evaluate import Target, _report
+
+    empty = BenchmarkResult.of("aime24", 4, {}, None, skipped_long=30)
+    some = BenchmarkResult.of("math500", 4, {"a": 2, "b": 4}, 0.0, skipped_long=3)
+    table = format_table({"aime24": empty, "math500": some})
+    head, _, aime, math500 = table.splitlines()
+    assert head.split()[:5] == ["benchmark", "problems", "skipped", "n", "mean@n"]
+    assert aime.split() == ["aime24", "0", "30", "4", *["n/a"] * 4] and "0.000" not in aime  # mean, pass@2, @4, trunc
+    assert math500.split()[:5] == ["math500", "2", "3", "4", "0.750"]
+    # the training run's row: counts only, so neither the step line nor a fitted curve reads a 0 pass rate
+    assert empty.metrics() == {"downstream/aime24/problems": 0.0, "downstream/aime24/skipped_long": 30.0}
+    assert "aime24" not in console_line(2, {"val/pass_rate": 0.5, **empty.metrics(), **some.metrics()})
+    assert some.metrics()["downstream/math500/skipped_long"] == 3.0
+    assert gain(empty, empty) is None
+
+    run = load_config("scalerl-cpu", None, [])
+    targets = [Target("start", tmp_path / "start"), Target("checkpoint", tmp_path / "end")]
+    by_model = {t.label: (t.path, {"aime24": empty}) for t in targets}
+    _report(run, targets, by_model, tmp_path, None)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "0.000" not in out and "aime24: n/a" in out
+    saved = json.loads((tmp_path / "results.json").read_text())  # strict JSON: null, never NaN
+    result = saved["models"]["checkpoint"]["results"]["aime24"]
+    assert (result["mean"], result["mean_se"], result["problems"], result["skipped_long"]) == (None, None, 0, 30)
+    assert saved["gain"]["aime24"] == {"mean": None, "se": None}
 
 
 def test_the_step_line_shows_each_benchmark_beside_validation():
