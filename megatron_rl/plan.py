@@ -23,7 +23,11 @@ first rank of the full world under torch's fake process-group backend, so every 
                  fc1 output and activation), for the layer where they are largest
     log-probs    the fp32 head path: fp32 hidden states of the row and their gradient, the logits chunks, and the
                  head's fp32 weight gradient that the chunked backward accumulates (trainer/logprobs.py)
-    reserve      CUDA context, NCCL buffers, allocator fragmentation: RESERVE_GIB (ours)
+    nccl         one NCCL communicator per process group of more than one rank that the rank communicates in
+                 (`nccl_communicators`: TP, CP, pipeline neighbours, data-parallel, EP, expert TP and DP, the model-
+                 parallel group of the gradient norm, the world, and on rank 0 the weight push's group), each
+                 NCCL_COMMUNICATOR_GIB, plus NVLS_GIB each when NVLink SHARP is on (trainer ranks turn it off)
+    reserve      CUDA context and allocator fragmentation: RESERVE_GIB (ours)
 
 Engine: bf16 weights at the engine's TP, plus the KV pool SGLang carves out of `mem_fraction` of the device;
 the plan requires room for at least one longest sequence, reports how many of the sequences the pipeline keeps
@@ -50,8 +54,16 @@ from dataclasses import dataclass, field
 from megatron_rl.config import ConfigError, ModelConfig, RunConfig, apply_overrides, build, to_dict
 
 GIB = float(1 << 30)
-RESERVE_GIB = 3.0
-"""(ours) CUDA context (~0.5 GiB), NCCL communicators and buffers (~1-2 GiB), allocator fragmentation."""
+RESERVE_GIB = 1.5
+"""(ours) CUDA context with the kernels loaded (~0.5-1 GiB) and allocator fragmentation (expandable segments on)."""
+NCCL_COMMUNICATOR_GIB = 0.5
+"""(ours) Device memory of one NCCL communicator without NVLink SHARP: its channels' buffers of each protocol,
+linear in the channels and flat in the ranks beyond two nodes (NVIDIA/nccl#986); measured 544-688 MB per group of
+2-4 A100s on NVLink (NVIDIA/nccl#964). NCCL creates it at the group's first collective."""
+NVLS_GIB = 1.0
+"""(ours) What NVLink SHARP adds to each communicator when on (one H100 communicator took 1.6 GB with it,
+NVIDIA/nccl#864). Trainer ranks start with NCCL_NVLS_ENABLE=0 unless the environment sets it, as NeMo's launcher
+and SGLang do, since a run this close to the device's size cannot spare it."""
 EXPERT_LOAD_FACTOR = 1.5
 """(ours) Tokens an expert-parallel rank processes relative to a perfectly balanced share (dropless routing)."""
 HOST_OPTIMIZER_BYTES = 16.0
@@ -391,6 +403,8 @@ class RankMemory:
     push: float = 0.0
     """The weight push's transient on the stage's busiest rank (rank 0 on stage 0): between steps, so it
     competes with the step's activations and log-probs, not in addition to them."""
+    nccl: float = 0.0
+    """The NCCL communicators of the stage's busiest rank (`nccl_communicators`)."""
     reserve: float = RESERVE_GIB * GIB
     optimizer_host: float = 0.0
     """Optimizer state this rank keeps in host memory (`trainer.optimizer.cpu_offload`)."""
@@ -398,7 +412,7 @@ class RankMemory:
     @property
     def total(self) -> float:
         transient = max(self.activations + self.logprobs, self.push)
-        return self.weights + self.gradients + self.optimizer + transient + self.reserve
+        return self.weights + self.gradients + self.optimizer + transient + self.nccl + self.reserve
 
 
 @dataclass
@@ -518,6 +532,35 @@ class Plan:
         return self.node_ranks * (max(r.optimizer_host for r in self.ranks) + records)
 
 
+def nccl_communicators(run: RunConfig, stage: int) -> list[str]:
+    """The process groups of more than one rank that the busiest rank of pipeline stage `stage` runs collectives in,
+    each an NCCL communicator on a GPU (megatron-core's groups; torch creates one per group at its first use)."""
+    p, moe = run.parallel, run.model.is_moe
+    sizes = {
+        "tp": p.tp,
+        "cp": p.cp,
+        "dp": p.dp * p.cp,  # the distributed optimizer's reduce-scatter and all-gather (CP ranks shard it too)
+        "model-parallel": p.tp * p.pp if p.pp > 1 else 1,  # the gradient norm; with PP 1, TP's own ranks
+        "world": p.trainer_devices,  # barriers and checks over every rank
+    }
+    if p.pp > 1:  # send/recv with each neighbour stage: one communicator per pair
+        sizes["pp-previous"] = 2 if stage > 0 else 1
+        sizes["pp-next"] = 2 if stage < p.pp - 1 else 1
+        if run.model.tie_word_embeddings and stage in (0, p.pp - 1):
+            sizes["embedding"] = 2
+    if moe:
+        sizes.update(ep=p.ep, etp=p.expert_tp(moe), expert_dp=p.expert_dp(moe))
+    names = [name for name, size in sizes.items() if size > 1]
+    if stage == 0 and run.rollout.weight_sync == "distributed":
+        names.append("weight-push")  # rank 0 and every engine rank
+    return names
+
+
+def nccl_bytes(run: RunConfig, stage: int) -> float:
+    nvls = os.environ.get("NCCL_NVLS_ENABLE", "0") not in ("0", "")
+    return len(nccl_communicators(run, stage)) * (NCCL_COMMUNICATOR_GIB + (NVLS_GIB if nvls else 0.0)) * GIB
+
+
 def rank_memory(run: RunConfig, stage: int, params: StageParameters, push: PushMemory) -> RankMemory:
     p, moe = run.parallel, run.model.is_moe
     body = 2.0 if run.trainer.params_dtype == "bf16" else 4.0
@@ -539,6 +582,7 @@ def rank_memory(run: RunConfig, stage: int, params: StageParameters, push: PushM
         activations=stage_activation_bytes(run, stage),
         logprobs=logprob_bytes(run, params.vocab_per_rank) if params.last else 0.0,
         push=push.rank0 if stage == 0 else push.other,
+        nccl=nccl_bytes(run, stage) if run.compute.device_kind == "gpu" else 0.0,
     )
 
 
@@ -592,7 +636,8 @@ def make_plan(run: RunConfig, suggest: bool = True, gpus_per_node: int | None = 
             plan.problems.append(
                 f"trainer stage {rank.stage}: {rank.total / GIB:.1f} GiB per GPU > {device / GIB:.1f} GiB "
                 f"(weights {rank.weights / GIB:.1f} + gradients {rank.gradients / GIB:.1f} + optimizer "
-                f"{rank.optimizer / GIB:.1f} + {transient} + reserve {rank.reserve / GIB:.1f})"
+                f"{rank.optimizer / GIB:.1f} + {transient} + NCCL {rank.nccl / GIB:.1f} + reserve "
+                f"{rank.reserve / GIB:.1f})"
             )
     host = run.compute.host_memory_gib * GIB
     if plan.host_per_node > host:
@@ -689,15 +734,15 @@ def format_plan(plan: Plan) -> str:
         f"EP {p.ep} x ETP {p.expert_tp(run.model.is_moe)} x EDP {p.expert_dp(run.model.is_moe)}), "
         f"recompute {run.trainer.recompute.granularity}, SP {'on' if p.sequence_parallel else 'off'}, "
         f"rows of {run.trainer.micro_batch_tokens} tokens; device {plan.device / GIB:.1f} GiB",
-        f"{'':14}{'params':>9}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'logp':>7}{'push':>7}{'rsrv':>7}"
-        f"{'total':>8}",
+        f"{'':14}{'params':>9}{'weights':>9}{'grads':>8}{'optim':>8}{'activ':>8}{'logp':>7}{'push':>7}{'nccl':>7}"
+        f"{'rsrv':>7}{'total':>8}",
     ]
     for r in plan.ranks:
         params = (r.dense_params + r.expert_params) / 1e9
         lines.append(
             f"trainer PP{r.stage:<6}{params:>8.2f}B{r.weights / GIB:>9.1f}{r.gradients / GIB:>8.1f}"
             f"{r.optimizer / GIB:>8.1f}{r.activations / GIB:>8.1f}{r.logprobs / GIB:>7.1f}{r.push / GIB:>7.1f}"
-            f"{r.reserve / GIB:>7.1f}{r.total / GIB:>8.1f}"
+            f"{r.nccl / GIB:>7.1f}{r.reserve / GIB:>7.1f}{r.total / GIB:>8.1f}"
         )
     lines.append(
         f"  (push: a weight push between steps, instead of activ + logp when larger; rank 0 sends "

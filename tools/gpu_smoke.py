@@ -710,7 +710,7 @@ def _print_plan(spec: str) -> None:
     plan = make_plan(load_config(recipe, model, overrides), suggest=False)
     rank = plan.ranks[0]
     numbers = {
-        "plan_rank_gib": (rank.total - rank.reserve) / GIB,
+        "plan_rank_gib": (rank.total - rank.reserve - rank.nccl) / GIB,  # what torch allocates: not NCCL's buffers
         "plan_activations_logprobs_gib": (rank.activations + rank.logprobs) / GIB,
         "plan_push_gib": plan.push.rank0 / GIB,
         "plan_steady_gib": (rank.weights + rank.gradients + rank.optimizer) / GIB,

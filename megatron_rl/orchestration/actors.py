@@ -33,6 +33,9 @@ class TrainerWorker(Placed):
         # Packed rows vary in length from step to step: without expandable segments the caching allocator
         # fragments into blocks of every size (read at the first CUDA allocation, which comes after this).
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        # NVLink SHARP buffers cost ~1 GiB per communicator (plan.py NVLS_GIB), more than a run planned to within a
+        # few GiB of the device can spare; a site that wants them sets NCCL_NVLS_ENABLE=1 and plans with it.
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
         quiet_megatron()
         import torch
 

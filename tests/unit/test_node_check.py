@@ -72,7 +72,7 @@ def test_trainer_ranks_run_with_expandable_segments(monkeypatch):
 
     seen = []
     monkeypatch.setattr(step, "Trainer", lambda run: seen.append(os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTORCH_CUDA_ALLOC_CONF"):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "PYTORCH_CUDA_ALLOC_CONF", "NCCL_NVLS_ENABLE"):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
     run = dataclasses.asdict(load_config("scalerl-cpu"))
@@ -80,6 +80,7 @@ def test_trainer_ranks_run_with_expandable_segments(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
     TrainerWorker().setup(run, 0, 1, "127.0.0.1", 29500)
     assert seen == ["expandable_segments:True", "max_split_size_mb:512"]
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # NVLink SHARP's buffers off, as the plan counts them
 
 
 def test_a_node_whose_transformer_engine_does_not_import_is_refused(tmp_path):

@@ -166,3 +166,24 @@ def test_optimizer_offload_moves_its_share_of_the_adam_state_to_the_host(fractio
     shard = 2e9 / (8 * 2) + 6e9 / 4
     assert memory.optimizer == pytest.approx(12 * shard * (1 - fraction))
     assert memory.optimizer_host == pytest.approx(16 * shard * fraction)
+
+
+def test_each_rank_counts_the_nccl_communicators_it_uses(monkeypatch):
+    """One communicator per process group of more than one rank that a rank runs collectives in (NCCL creates it at
+    the group's first use), NVLink SHARP's buffers on top when a site turns it on."""
+    from megatron_rl.config import load_config
+    from megatron_rl.plan import GIB, NCCL_COMMUNICATOR_GIB, NVLS_GIB, nccl_bytes, nccl_communicators
+
+    scout = load_config("scalerl", "llama4_scout_17bx16e")  # TP 4, DP 16, EP 16, expert DP 4 (etp 1)
+    assert nccl_communicators(scout, 0) == ["tp", "dp", "world", "ep", "expert_dp", "weight-push"]
+    dense_pp = load_config("scalerl", "llama3_8b", ["parallel.pp=2", "parallel.trainer_devices=16"])
+    assert nccl_communicators(dense_pp, 0) == ["tp", "dp", "model-parallel", "world", "pp-next", "weight-push"]
+    assert nccl_communicators(dense_pp, 1) == ["tp", "dp", "model-parallel", "world", "pp-previous"]
+    one = load_config(
+        "scalerl", "llama3_8b", ["parallel.tp=1", "parallel.sequence_parallel=false", "parallel.trainer_devices=1"]
+    )
+    assert nccl_communicators(one, 0) == ["weight-push"]
+    monkeypatch.delenv("NCCL_NVLS_ENABLE", raising=False)
+    assert nccl_bytes(scout, 0) == 6 * NCCL_COMMUNICATOR_GIB * GIB
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    assert nccl_bytes(scout, 0) == 6 * (NCCL_COMMUNICATOR_GIB + NVLS_GIB) * GIB
