@@ -120,10 +120,16 @@ class LocalLaunch:
 
 
 def with_routing(run: RunConfig) -> EngineConfig:
-    """The run's engine settings; with MoE routing replay every answer carries its routing record."""
+    """The run's engine settings; with MoE routing replay every answer carries its routing record. On GPUs the MoE
+    runner is pinned to Triton's fused MoE unless `extra_args` names one: SGLang 0.5.23 captures routed experts only
+    on its default top-k path, and its `auto` choice takes flashinfer_trtllm (which skips the capture and leaves
+    every record 0) for unquantized MoE on Blackwell; the client refuses such records (RoutingShape.check_captured)."""
     engine = run.rollout.engine
     if run.algo.routing_replay != "none":
-        engine = dataclasses.replace(engine, extra_args=[*engine.extra_args, "--enable-return-routed-experts"])
+        extra = [*engine.extra_args, "--enable-return-routed-experts"]
+        if engine.device == "cuda" and not any(a.startswith("--moe-runner-backend") for a in engine.extra_args):
+            extra += ["--moe-runner-backend", "triton"]
+        engine = dataclasses.replace(engine, extra_args=extra)
     return engine
 
 
