@@ -290,6 +290,8 @@ async def _train(run: RunConfig) -> Path:
         print(f"stopped by {parts.stop.signal} at step {step}: {what}; resume with the same command", flush=True)
     else:
         downstream = [f"downstream/{name}/mean@{run.eval.downstream.samples_per_prompt}" for name in parts.downstream]
+        logged = {key for row in read_metrics(parts.logger.path) for key in row}
+        downstream = [key for key in downstream if key in logged]  # a benchmark whose problems were all too long: n/a
         _final_fit(parts.logger.path, parts.run_dir, set(parts.splits.val), run.logging.scaling_fit_start, downstream)
     return parts.run_dir
 
