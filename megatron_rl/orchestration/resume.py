@@ -73,8 +73,9 @@ ADJUSTABLE: tuple[str, ...] = (
 )
 """Dotted config fields (or whole sections) a resume applies and logs instead of refusing."""
 
-IDENTITY = ("name", "output_dir", "recipe")
-"""Where the run lives and what its recipe file was called: not compared (the fields the recipe set are)."""
+IDENTITY = ("name", "output_dir", "recipe", "checkpoint.fork_from")
+"""Where the run lives, what its recipe file was called and where a fork started it: not compared (the fields the
+recipe set are; a forked run's restart resumes its own checkpoints with or without `--fork`)."""
 
 
 @dataclass
@@ -143,7 +144,7 @@ def check_resume(run: RunConfig, checkpoint: Path, fork: bool = False) -> Config
     changed = {
         key: (before[key], now[key])
         for key in sorted(before.keys() & now.keys())
-        if before[key] != now[key] and key.split(".")[0] not in IDENTITY
+        if before[key] != now[key] and key not in IDENTITY and key.split(".")[0] not in IDENTITY
     }
     if fork:
         model = {k: v for k, v in changed.items() if k.startswith("model.") and not k.startswith("model.layout")}

@@ -134,3 +134,8 @@ def test_a_config_change_is_recorded_once_and_marked_on_the_curve(tmp_path):
     assert list(curve.R) == [0.1, 0.2, 0.35]
     assert curve.changes == [(1.0, 2, ["trainer.optimizer.lr"])]
     assert any("config changed at step 2" in note for note in curve.notes)
+
+
+def test_a_forked_runs_restart_with_or_without_fork_is_not_a_change(tmp_path):
+    checkpoint = _checkpoint(tmp_path, [f"checkpoint.fork_from={tmp_path / 'parent'}"])
+    assert check_resume(_run([]), checkpoint) is None
