@@ -41,7 +41,7 @@ from megatron_rl.data.datasets import load_splits
 from megatron_rl.generator.client import SGLangClient
 from megatron_rl.generator.server import SGLangServer
 from megatron_rl.orchestration.warmstart import prepare_policy
-from megatron_rl.rollout.pipeline import PromptEncoder
+from megatron_rl.rollout.session import PromptEncoder
 
 VARIANTS: dict[str, list[str]] = {
     "default": [],

@@ -32,7 +32,7 @@ from megatron_rl.config import load_config
 from megatron_rl.data.datasets import Prompt, load_splits
 from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rewards import score
-from megatron_rl.rollout.pipeline import PromptEncoder
+from megatron_rl.rollout.session import PromptEncoder
 
 RECIPE = "scalerl-cpu"
 VARIANTS = {

@@ -54,11 +54,10 @@ import torch
 
 from megatron_rl.config import load_config
 from megatron_rl.data.datasets import load_splits
-from megatron_rl.orchestration.train import interruption_tokens
 from megatron_rl.orchestration.warmstart import prepare_policy
 from megatron_rl.rewards import score
 from megatron_rl.rollout.interruption import Generated, Segment, generate_completion
-from megatron_rl.rollout.pipeline import PromptEncoder
+from megatron_rl.rollout.session import PromptEncoder, interruption_tokens
 
 RECIPE = "scalerl-cpu"
 PROCESS_START = time.time()
@@ -173,7 +172,7 @@ def main() -> None:
         return [score(text, by_id[pid], run.rewards).reward for text, pid in zip(texts, prompt_id, strict=True)]
 
     engine = HFEngine(model, tokenizer.pad_token_id, run.rollout.sampling.temperature, args.val_batch)
-    budgets = interruption_tokens(run, tokenizer)
+    budgets = interruption_tokens(run.rollout, tokenizer)
 
     def sample(prompt_ids: list[list[int]], rng: random.Random) -> list[Generated]:
         """One completion per prompt, under the recipe's length control (interruption), batched on `engine`."""

@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,37 +177,42 @@ def export(target: Target, out: Path) -> Path:
 
 
 async def evaluate_model(run: RunConfig, hf_dir: Path, out: Path, sets: dict[str, Any]) -> dict[str, BenchmarkResult]:
-    """Start the run's engines on `hf_dir`, evaluate every benchmark, stop them."""
+    """Start the run's engines on `hf_dir` (on CPU off a cluster: the driver's own processes, as a run's are),
+    evaluate every benchmark through the run's sampling session, stop them."""
     from transformers import AutoTokenizer
 
-    from megatron_rl.orchestration.engines import EngineGroup
-    from megatron_rl.orchestration.train import interruption_tokens
+    from megatron_rl.orchestration.engines import EngineGroup, LocalLaunch, local_engines
+    from megatron_rl.orchestration.inputs import prompt_encoding
     from megatron_rl.rewards.workers import RewardWorkers
-    from megatron_rl.rollout.evaluation import evaluate_benchmarks, with_sampling
-    from megatron_rl.rollout.pipeline import PromptEncoder
+    from megatron_rl.rollout.evaluation import evaluate_benchmarks
+    from megatron_rl.rollout.session import SamplingSession
 
     run.check_context(hf_dir)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
-    encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
-    tokens = interruption_tokens(run, tokenizer)
+    encoder, tokens = prompt_encoding(run, AutoTokenizer.from_pretrained(hf_dir))
     config = run.eval.downstream
-    engines = EngineGroup(run, hf_dir, out)
-    rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
+    launch = LocalLaunch(run, out) if local_engines(run) else None
+    rewards: RewardWorkers | None = None
     try:
+        if launch is not None:
+            launch.start(hf_dir)
+        engines = EngineGroup(run, hf_dir, out, servers=launch.servers if launch is not None else None)
+    except BaseException:
+        if launch is not None:
+            launch.close()
+        raise
+    try:
+        rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
         await engines.start()
+        session = SamplingSession(engines.generate, encoder, run.rollout, tokens, rewards)
         return await evaluate_benchmarks(
             {name: bench.prompts for name, bench in sets.items()},
             config.samples_per_prompt,
-            with_sampling(engines.generate, config.sampling(run.rollout.sampling)),
-            encoder,
-            run.rollout,
-            tokens,
-            rewards,
-            lambda: 0,
+            session.with_sampling(config.sampling(run.rollout.sampling)),
             seed=run.seed,
         )
     finally:
-        rewards.close()
+        if rewards is not None:
+            rewards.close()
         await engines.stop()
 
 
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run, targets, out = resolve(args)
-        from megatron_rl.orchestration.train import load_downstream
+        from megatron_rl.orchestration.inputs import load_downstream
 
         sets = load_downstream(run)
         for target in targets:
@@ -249,17 +253,14 @@ def _run(
 ) -> dict[str, tuple[Path, dict[str, BenchmarkResult]]]:
     import ray
 
+    from megatron_rl.orchestration.ray_head import start_ray
     from megatron_rl.orchestration.reaper import Reaper
 
     out.mkdir(parents=True, exist_ok=True)
     reaper = Reaper.start()
     started_ray = not ray.is_initialized()
     try:
-        if started_ray and os.environ.get("RAY_ADDRESS"):  # inside a cluster allocation: its Ray, its GPUs
-            ray.init(address="auto", include_dashboard=False)
-        elif started_ray:  # a fresh local instance, as `megatron-rl train` starts one
-            engines = run.rollout.engine.num_engines
-            ray.init(address="local", include_dashboard=False, num_cpus=max(os.cpu_count() or 1, engines + 1))
+        start_ray(run, keep_sigterm=False)  # the allocation's Ray, or a fresh local head as `train` starts one
         results = {}
         for target in targets:
             hf_dir = export(target, out)

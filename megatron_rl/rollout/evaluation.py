@@ -1,9 +1,9 @@
 """Evaluation on the engines: validation (mean@k on held-out training prompts) and downstream benchmarks
 (mean@n and pass@k on AIME, MATH-500, LiveCodeBench, ...), sampled and scored as training samples are.
 
-Both sample each prompt n times through `generate_completion` (the rollout's budgets, interruption included)
-and score every completion with the run's reward workers. The draws are seeded per prompt from `seed`, so the
-same checkpoint evaluated twice with the same seed sends the same requests.
+Both sample each prompt n times through the run's sampling session (rollout/session.py: the rollout's budgets,
+interruption included, and the run's reward workers), as training groups are. The draws are seeded per prompt from
+`seed`, so the same checkpoint evaluated twice with the same seed sends the same requests.
 
 Metrics of a benchmark with N problems, n samples each and c_i passes on problem i:
 
@@ -23,17 +23,13 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from megatron_rl.config import RolloutConfig, SamplingConfig
 from megatron_rl.data.datasets import Prompt
-from megatron_rl.rewards.workers import RewardWorkers
-from megatron_rl.rollout.interruption import GenerateFn, InterruptionTokens, generate_completion
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.pipeline import PromptEncoder
+from megatron_rl.rollout.session import SamplingSession
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -135,30 +131,21 @@ class Sampled:
 
 
 async def sample_and_score(
-    prompts: list[Prompt],
-    samples: int,
-    generate: GenerateFn,
-    encoder: PromptEncoder,
-    cfg: RolloutConfig,
-    tokens: InterruptionTokens,
-    rewards: RewardWorkers,
-    version: Callable[[], int],
-    rng: random.Random,
+    prompts: list[Prompt], samples: int, session: SamplingSession, rng: random.Random
 ) -> Sampled:
-    """`samples` completions of every prompt, each scored by the reward workers, all requests in flight at once
-    (the engines batch them). `rng` draws one seed per sample of every prompt, also of a prompt skipped as too
-    long, so a prompt's draws do not depend on the others'."""
+    """`samples` completions of every prompt, each scored by the session's reward workers, all requests in flight
+    at once (the engines batch them). `rng` draws one seed per sample of every prompt, also of a prompt skipped as
+    too long, so a prompt's draws do not depend on the others'."""
 
     async def one(prompt: Prompt, prompt_ids: list[int], sample_rng: random.Random) -> tuple[str, bool, str, set[int]]:
-        out = await generate_completion(generate, prompt_ids, cfg, tokens, sample_rng, version)
-        result = await rewards.score(encoder.decode(out.tokens), prompt)
-        return prompt.id, result.passed, out.finish_reason, set(out.versions)
+        sample = await session.sample(prompt, prompt_ids, sample_rng)
+        return prompt.id, sample.result.passed, sample.generated.finish_reason, set(sample.generated.versions)
 
     jobs, skipped = [], 0
     for prompt in prompts:
-        ids = encoder.encode(prompt)
+        ids = session.encode(prompt)
         seeds = [rng.random() for _ in range(samples)]
-        if len(ids) > cfg.max_prompt_tokens:
+        if not session.fits(ids):
             skipped += 1
             continue
         jobs += [one(prompt, ids, random.Random(s)) for s in seeds]
@@ -173,15 +160,7 @@ async def sample_and_score(
 
 
 async def validate(
-    prompts: dict[str, list[Prompt]],
-    samples: int,
-    generate: GenerateFn,
-    encoder: PromptEncoder,
-    cfg: RolloutConfig,
-    tokens: InterruptionTokens,
-    rewards: RewardWorkers,
-    version: Callable[[], int],
-    seed: int,
+    prompts: dict[str, list[Prompt]], samples: int, session: SamplingSession, seed: int
 ) -> dict[str, float]:
     """mean@k pass rate per task and overall (`val/pass_rate`, `val/pass_rate/<task>`), and how many policy
     versions generated the completions (`val/policy_versions`: 1, unless the weights changed meanwhile)."""
@@ -189,7 +168,7 @@ async def validate(
     results: dict[str, list[bool]] = {}
     skipped, versions = 0, set[int]()
     for task, task_prompts in prompts.items():
-        sampled = await sample_and_score(task_prompts, samples, generate, encoder, cfg, tokens, rewards, version, rng)
+        sampled = await sample_and_score(task_prompts, samples, session, rng)
         results[task] = [ok for passes in sampled.passed.values() for ok in passes]
         skipped += sampled.skipped_long
         versions |= sampled.versions
@@ -201,35 +180,13 @@ async def validate(
     return metrics
 
 
-def with_sampling(generate: Callable[..., Any], sampling: SamplingConfig) -> GenerateFn:
-    """A GenerateFn over `EngineGroup.generate` that samples with `sampling` instead of the rollout's."""
-
-    async def fn(input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Any:
-        return await generate(input_ids, max_new_tokens, stop_ids, sampling=sampling)
-
-    return fn
-
-
 async def evaluate_benchmarks(
-    sets: dict[str, list[Prompt]],
-    samples: int,
-    generate: GenerateFn,
-    encoder: PromptEncoder,
-    cfg: RolloutConfig,
-    tokens: InterruptionTokens,
-    rewards: RewardWorkers,
-    version: Callable[[], int],
-    seed: int,
+    sets: dict[str, list[Prompt]], samples: int, session: SamplingSession, seed: int
 ) -> dict[str, BenchmarkResult]:
     """Every benchmark's problems sampled `samples` times and scored; one result per benchmark. All benchmarks'
     requests are in flight together; each benchmark's draws come from its own seed."""
     names = list(sets)
-    runs = [
-        sample_and_score(
-            sets[name], samples, generate, encoder, cfg, tokens, rewards, version, random.Random(f"{seed}:{name}")
-        )
-        for name in names
-    ]
+    runs = [sample_and_score(sets[name], samples, session, random.Random(f"{seed}:{name}")) for name in names]
     results = {}
     for name, sampled in zip(names, await asyncio.gather(*runs), strict=True):
         counts = {pid: sum(passes) for pid, passes in sampled.passed.items()}

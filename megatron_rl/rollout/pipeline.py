@@ -15,10 +15,11 @@ The pipeline also owns the push cadence: `push_due(version)` says when the train
 engines (after every step in `pipeline` mode, after every k-th in `ppo_off_policy`), and `pushed(version)`
 records that the engines hold them.
 
-Staleness is enforced in exactly one place, `next_batch`. By default (`rollout.staleness: wait`, the
-paper's rule, docs/recipe.md §4) the trainer waits: a group started k or more versions ago is *due* and the
-batch is not complete without it, however long its completions take; the other slots are filled first
-come, first served. Nothing is dropped, so the long completions (the last to finish) are trained on as
+Staleness is enforced here alone: `next_batch` decides which finished groups a batch takes, and `may_hold`
+when the loop may hold a push back for a step without any group ending up more than k versions old. By default
+(`rollout.staleness: wait`, the paper's rule, docs/recipe.md §4) the trainer waits: a group started k or more
+versions ago is *due* and the batch is not complete without it, however long its completions take; the other slots
+are filled first come, first served. Nothing is dropped, so the long completions (the last to finish) are trained on as
 often as they are sampled. This is always feasible: in pipeline mode at most min(2, k) x prompts_per_step
 groups are generating or buffered, so at most prompts_per_step of them can be due at once. With
 `staleness: drop` a group whose oldest token is more than k versions behind is dropped and counted
@@ -39,41 +40,16 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 from megatron_rl.algo.filters import has_reward_variance
 from megatron_rl.algo.length_penalty import overlong_penalty
-from megatron_rl.config import AlgoConfig, RolloutConfig
+from megatron_rl.config import AlgoConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.data.sampler import CurriculumSampler
-from megatron_rl.rewards.workers import RewardWorkers
-from megatron_rl.rollout.interruption import GenerateFn, InterruptionTokens, generate_completion
+from megatron_rl.rollout.session import SamplingSession
 from megatron_rl.rollout.types import Completion, Group
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PromptEncoder:
-    """Prompt text -> token ids through the tokenizer's chat template, and completion ids -> text."""
-
-    tokenizer: Any
-    system_prompt: str | None = None
-    chat_template: bool = True
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        if not self.chat_template:
-            return list(self.tokenizer(prompt.prompt)["input_ids"])
-        messages = [{"role": "user", "content": prompt.prompt}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-    def decode(self, tokens: list[int]) -> str:
-        # Special tokens stay: `</think>` separates the graded answer from the thinking part.
-        text = self.tokenizer.decode(tokens, skip_special_tokens=False)
-        return text.replace(self.tokenizer.eos_token, "") if self.tokenizer.eos_token else text
 
 
 @dataclass
@@ -143,24 +119,12 @@ class BatchStats:
 
 class RolloutPipeline:
     def __init__(
-        self,
-        cfg: RolloutConfig,
-        algo: AlgoConfig,
-        sampler: CurriculumSampler,
-        rewards: RewardWorkers,
-        generate: GenerateFn,
-        encoder: PromptEncoder,
-        tokens: InterruptionTokens,
-        seed: int,
-        version: int = 0,
+        self, session: SamplingSession, algo: AlgoConfig, sampler: CurriculumSampler, seed: int, version: int = 0
     ) -> None:
-        self.cfg, self.algo = cfg, algo
-        self.sampler, self.rewards, self.generate = sampler, rewards, generate
-        self.encoder, self.tokens = encoder, tokens
-        self.rng = random.Random(seed)
+        self.session, self.cfg, self.algo, self.sampler = session, session.rollout, algo, sampler
         self.version = version
-        """The policy version the engines hold (the trainer's step count at the last sync)."""
-        self.capacity = cfg.groups_in_flight  # at most one batch is ever due at once: the wait rule completes
+        self.rng = random.Random(seed)
+        self.capacity = self.cfg.groups_in_flight  # at most one batch is ever due at once: the wait rule completes
         self.buffer: list[SampledGroup] = []
         """Finished groups, in the order they finished."""
         self.generating: dict[int, int] = {}
@@ -175,6 +139,15 @@ class RolloutPipeline:
         self.errors: list[BaseException] = []
         self.long_prompts = 0
         """Prompts skipped for being longer than `max_prompt_tokens` (cumulative)."""
+
+    @property
+    def version(self) -> int:
+        """The policy version the engines hold (the trainer's step count at the last push)."""
+        return self.session.version.current
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self.session.version.current = version
 
     # ---------------------------------------------------------------------------------------------
     # Producer
@@ -213,6 +186,14 @@ class RolloutPipeline:
         else:
             self.round_open.set()
 
+    def may_hold(self, trainer_version: int) -> bool:
+        """Whether the push of `trainer_version` may wait one step (the engines finishing an evaluation of the
+        weights they hold) without a group being trained on more than k versions after it started: PipelineRL only
+        (its engines change weights in flight anyway; PPO-off-policy pushes once per round), with k >= 2 and the
+        engines one version behind. While held no group starts (`hold`), so the oldest group a held batch can take
+        started at the engines' version, k - 1 versions behind the next."""
+        return self.cfg.mode == "pipeline" and self.cfg.k >= 2 and trainer_version - self.version == 1
+
     def hold(self) -> None:
         """PipelineRL: the trainer takes one step without a push (the engines keep their weights while they
         evaluate them). No group starts until the next push: a group started now, on weights already one version
@@ -226,8 +207,8 @@ class RolloutPipeline:
         self.round_open.set()
 
     async def _group(self, prompt: Prompt) -> None:
-        prompt_ids = self.encoder.encode(prompt)
-        if len(prompt_ids) > self.cfg.max_prompt_tokens:
+        prompt_ids = self.session.encode(prompt)
+        if not self.session.fits(prompt_ids):
             self._skip_long(prompt, len(prompt_ids))
             return
         start = self.version
@@ -282,10 +263,8 @@ class RolloutPipeline:
             self.round_open.set()
 
     async def _completion(self, prompt: Prompt, prompt_ids: list[int], seed: float) -> tuple[Completion, bool, str]:
-        out = await generate_completion(
-            self.generate, prompt_ids, self.cfg, self.tokens, random.Random(seed), lambda: self.version
-        )
-        result = await self.rewards.score(self.encoder.decode(out.tokens), prompt)
+        sample = await self.session.sample(prompt, prompt_ids, random.Random(seed))
+        out, result = sample.generated, sample.result
         reward = result.reward
         if self.algo.length_penalty.enabled and result.passed:  # the paper's Eq. 9: correct traces only
             lp = self.algo.length_penalty

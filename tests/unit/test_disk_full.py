@@ -11,7 +11,7 @@ from collections import namedtuple
 import pytest
 
 from megatron_rl import cli
-from megatron_rl.orchestration import train
+from megatron_rl.orchestration import run_dir, train
 
 Usage = namedtuple("Usage", "total used free")
 
@@ -21,12 +21,12 @@ def test_a_wrapped_save_failure_on_a_full_file_system_is_named(tmp_path, monkeyp
     (root / "step_00000002").mkdir(parents=True)
     (root / "step_00000002" / "shard").write_bytes(b"x" * 5_000_000)  # what the next save needs, about
     wrapped = RuntimeError("Worker failure: An error is caught while starting worker 0, error: <class 'RuntimeError'>")
-    assert train.out_of_space(root, wrapped) is None  # this file system has room: not a disk problem
+    assert run_dir.out_of_space(root, wrapped) is None  # this file system has room: not a disk problem
     monkeypatch.setattr(shutil, "disk_usage", lambda path: Usage(10**9, 10**9 - 3_000_000, 3_000_000))
-    assert train.out_of_space(root, wrapped) == f"no space left on device (3.0 MB free of 1.00 GB at {root})"
+    assert run_dir.out_of_space(root, wrapped) == f"no space left on device (3.0 MB free of 1.00 GB at {root})"
     monkeypatch.undo()
     full = OSError(errno.ENOSPC, "No space left on device")
-    assert train.out_of_space(root, RuntimeError(f"save failed: {full}")).startswith("no space left on device")
+    assert run_dir.out_of_space(root, RuntimeError(f"save failed: {full}")).startswith("no space left on device")
 
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT])

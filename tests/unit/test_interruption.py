@@ -174,20 +174,20 @@ def test_a_tokenizer_without_the_end_of_thinking_token_is_refused_when_interrupt
 
     from megatron_rl.config import ConfigError, load_config
     from megatron_rl.data.tokenizer import build_tokenizer
-    from megatron_rl.orchestration.train import interruption_tokens
+    from megatron_rl.rollout.session import interruption_tokens
 
     run = load_config("scalerl-cpu")
     tiny = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tiny"))
-    assert tiny.convert_ids_to_tokens(interruption_tokens(run, tiny).end_of_thinking) == "</think>"
+    assert tiny.convert_ids_to_tokens(interruption_tokens(run.rollout, tiny).end_of_thinking) == "</think>"
     plain = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(WordLevel({"a": 0, "<unk>": 1, "<eos>": 2}, unk_token="<unk>")),
         unk_token="<unk>",
         eos_token="<eos>",
     )
     with pytest.raises(ConfigError, match=r"rollout.interruption.end_of_thinking: '</think>' is not a token"):
-        interruption_tokens(run, plain)
+        interruption_tokens(run.rollout, plain)
     off = load_config("scalerl-cpu", None, ["rollout.interruption.enabled=false", "algo.length_penalty.enabled=true"])
-    interruption_tokens(off, plain)  # the loo-lp way: no interruption, no marker needed
+    interruption_tokens(off.rollout, plain)  # the loo-lp way: no interruption, no marker needed
 
 
 def _routed(generate):

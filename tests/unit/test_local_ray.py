@@ -1,4 +1,4 @@
-"""The local Ray head a one-machine run starts (`orchestration.train.start_ray`): no autoscaler monitor (one
+"""The local Ray head a one-machine run starts (`orchestration.ray_head.start_ray`): no autoscaler monitor (one
 machine has no nodes to add), no API server (no jobs, state API or dashboard) and a minimal dashboard agent (no
 metrics server), everything else Ray starts for a run still there."""
 
@@ -11,7 +11,7 @@ import sys
 PROBE = """
 import glob, json, os, sys, psutil, ray
 from megatron_rl.config import load_config
-from megatron_rl.orchestration.train import start_ray
+from megatron_rl.orchestration.ray_head import start_ray
 import ray._private.node as node
 import ray._private.parameter as parameter
 import ray._private.utils as utils

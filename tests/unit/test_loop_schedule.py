@@ -18,12 +18,23 @@ from typing import Any
 import pytest
 
 from megatron_rl.config import load_config
-from megatron_rl.orchestration.train import _loop
-from megatron_rl.rollout.pipeline import BatchStats
+from megatron_rl.orchestration.evaluations import Evaluations
+from megatron_rl.orchestration.train import Parts, _loop
+from megatron_rl.rollout.pipeline import BatchStats, RolloutPipeline
+
+
+class RecordedEvaluations(Evaluations):
+    """The run's evaluations, their validation replaced by the recorder's."""
+
+    def __init__(self, parts: Recorder) -> None:
+        super().__init__(parts.run, None, None, {}, {}, None, None)  # type: ignore[arg-type]
+        self.validate = parts.validate  # type: ignore[method-assign]
 
 
 class Recorder:
-    """The run's parts as `_loop` uses them, recording each call."""
+    """The run's parts as `_loop` uses them, recording each call (the loop's own bookkeeping is Parts')."""
+
+    train, out_of_batches, checkpoint_due = Parts.train, Parts.out_of_batches, Parts.checkpoint_due
 
     def __init__(self, overrides: list[str]) -> None:
         self.run = load_config("scalerl-cpu", None, ["eval.downstream.benchmarks=[]", *overrides])
@@ -36,6 +47,8 @@ class Recorder:
         self.moved = asyncio.Event()
         self.step, self.regenerated, self.downstream, self.batch_step = 0, 0, {}, 0
         self.stop = False
+        self.empty_batches = self.empty_streak = 0
+        self.evaluations = RecordedEvaluations(self)
         self.engines = SimpleNamespace(reset_usage=lambda: None, push_weights=self._push, metrics=dict)
         self.trainers = SimpleNamespace(call=self._call)
         self.pipeline = SimpleNamespace(
@@ -44,6 +57,8 @@ class Recorder:
             push_due=lambda v: self.run.rollout.mode == "pipeline" or v % self.run.rollout.k == 0,
             pushed=self._pushed,
             hold=self._hold,
+            cfg=self.run.rollout,
+            may_hold=lambda v: RolloutPipeline.may_hold(self.pipeline, v),  # type: ignore[arg-type]
         )
 
     # the pipeline

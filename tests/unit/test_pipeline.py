@@ -9,6 +9,7 @@ SGLang is tested in tests/integration/test_loop.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ from megatron_rl.data.datasets import Prompt
 from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.rewards.workers import RewardWorkers
 from megatron_rl.rollout.interruption import InterruptionTokens, Segment
-from megatron_rl.rollout.pipeline import PromptEncoder, RolloutPipeline
+from megatron_rl.rollout.pipeline import RolloutPipeline
+from megatron_rl.rollout.session import PromptEncoder, SamplingSession
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +53,8 @@ def _pipeline(
         return Segment(completion, [-0.5] * len(completion), [pipeline.version] * len(completion), "stop")
 
     sampler = CurriculumSampler(train, {s: 1.0 for s in train}, seed=0, no_positive=NoPositiveResampling(None))
-    pipeline = RolloutPipeline(cfg, algo or AlgoConfig(), sampler, rewards, generate, encoder, tokens, seed=0)
+    session = SamplingSession(generate, encoder, cfg, tokens, rewards)
+    pipeline = RolloutPipeline(session, algo or AlgoConfig(), sampler, seed=0)
     return pipeline
 
 
@@ -167,7 +170,7 @@ def test_ppo_off_policy_replaces_stale_groups_within_the_round(encoder, rewards)
     pipeline = _pipeline(encoder, rewards, train, cfg, answer="\\boxed{2}")
     pipeline.version = 3
     calls = 0
-    scripted = pipeline.generate
+    scripted = pipeline.session.generate
 
     async def old_then_current(input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
         nonlocal calls
@@ -178,7 +181,7 @@ def test_ppo_off_policy_replaces_stale_groups_within_the_round(encoder, rewards)
             segment.versions = [0] * len(segment.versions)
         return segment
 
-    pipeline.generate = old_then_current
+    pipeline.session = dataclasses.replace(pipeline.session, generate=old_then_current)
     groups, stats = asyncio.run(_batch(pipeline, version=3))
     assert stats.stale_dropped >= 2 and stats.sampled_groups == 4  # refilled, not waiting forever
     assert stats.staleness == [0, 0, 0, 0]
@@ -194,7 +197,7 @@ def _timed_engine(pipeline: RolloutPipeline, encoder, long_prompts: set[str]):
     by_prompt = {}
     for prompt_list in pipeline.sampler.train.values():
         for prompt in prompt_list:
-            by_prompt[tuple(pipeline.encoder.encode(prompt))] = prompt.id
+            by_prompt[tuple(pipeline.session.encode(prompt))] = prompt.id
 
     async def generate(input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
         version = pipeline.version
@@ -234,7 +237,7 @@ def test_staleness_bound_waits_for_long_completions_instead_of_dropping_them(enc
     cfg = _rollout(prompts_per_step=4, k=2, staleness=staleness)
     algo = AlgoConfig(zero_variance_filter=False)  # every sampled group is trained on: lengths are comparable
     pipeline = _pipeline(encoder, rewards, {"math": prompts}, cfg, answer="", algo=algo)
-    pipeline.generate = _timed_engine(pipeline, encoder, long_prompts)
+    pipeline.session = dataclasses.replace(pipeline.session, generate=_timed_engine(pipeline, encoder, long_prompts))
     lengths, staleness_seen, dropped = asyncio.run(_train_loop(pipeline, steps=12))
 
     long_share = lengths.count(LONG) / len(lengths)
@@ -269,7 +272,7 @@ def test_truncated_completions_are_excluded_from_the_batch_and_counted(encoder, 
     script += [("<think>1+1 is", "length"), ("<think>1+1=2</think>\\boxed{2}", "stop")]
     cfg = _rollout(prompts_per_step=1, generations_per_prompt=4)
     pipeline = _pipeline(encoder, rewards, {"math": prompts}, cfg, answer="", algo=AlgoConfig(truncated=mode))
-    pipeline.generate = _finish_engine(pipeline, encoder, script)
+    pipeline.session = dataclasses.replace(pipeline.session, generate=_finish_engine(pipeline, encoder, script))
     groups, stats = asyncio.run(_batch(pipeline))
     metrics = stats.as_metrics()
 
@@ -289,7 +292,7 @@ def test_a_group_left_with_one_answer_after_exclusion_is_zero_variance(encoder, 
     script = [("<think>1+1=2</think>\\boxed{2}", "stop"), ("<think>1+1 is", "length")]
     cfg = _rollout(prompts_per_step=1, generations_per_prompt=2)
     pipeline = _pipeline(encoder, rewards, {"math": prompts}, cfg, answer="")
-    pipeline.generate = _finish_engine(pipeline, encoder, script)
+    pipeline.session = dataclasses.replace(pipeline.session, generate=_finish_engine(pipeline, encoder, script))
     groups, stats = asyncio.run(_batch(pipeline))
     assert groups == [] and stats.sampled_groups == 1 and stats.truncated_excluded == 1
 
@@ -307,7 +310,9 @@ def test_overlong_penalty_applies_to_correct_completions_only(encoder, rewards):
     algo = AlgoConfig(length_penalty=penalty, zero_variance_filter=False)
     cfg = _rollout(prompts_per_step=1, generations_per_prompt=2)
     pipeline = _pipeline(encoder, rewards, {"math": prompts}, cfg, answer="", algo=algo)
-    pipeline.generate = _finish_engine(pipeline, encoder, [(right, "stop"), (wrong, "stop")])
+    pipeline.session = dataclasses.replace(
+        pipeline.session, generate=_finish_engine(pipeline, encoder, [(right, "stop"), (wrong, "stop")])
+    )
     (group,), _ = asyncio.run(_batch(pipeline))
     soft_start = penalty.max_length - penalty.cache_length
     assert group.rewards == [pytest.approx(1.0 + (soft_start - length) / penalty.cache_length), -1.0]

@@ -1,0 +1,89 @@
+"""How a run starts or joins Ray: `megatron-rl train` and `megatron-rl eval` alike.
+
+Inside a cluster allocation (RAY_ADDRESS, set by the Slurm script) the allocation's Ray is joined as it is; off a
+cluster a fresh local head is started with only the processes a one-machine run uses, and a run that handles SIGTERM
+itself keeps its handler while Ray starts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+import ray
+
+from megatron_rl.config import RunConfig
+from megatron_rl.orchestration.placement import cpu_processes, local_ray_cpus
+
+
+def start_ray(run: RunConfig, keep_sigterm: bool | None = None) -> None:
+    """Join the allocation's Ray (RAY_ADDRESS, set by the Slurm script) or start a fresh local instance. The
+    driver's SIGTERM handler survives Ray's start when `keep_sigterm` (default: the run checkpoints on a signal)."""
+    keep = run.checkpoint.save_on_signal if keep_sigterm is None else keep_sigterm
+    if ray.is_initialized():
+        return
+    # Off a cluster, always a fresh local instance ("local"): address=None would join any Ray head already
+    # running on this machine (another run's, another user's) and fail on its auth token.
+    if os.environ.get("RAY_ADDRESS"):
+        with _keeping_sigterm(keep):
+            ray.init(address="auto", include_dashboard=False)
+    else:
+        cores = os.cpu_count() or 1
+        slots, processes = local_ray_cpus(run, cores), cpu_processes(run)
+        if processes > cores:
+            print(f"ray: {processes} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
+        with _one_machine_head(), _keeping_sigterm(keep):
+            ray.init(address="local", include_dashboard=False, num_cpus=slots)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm(keep: bool) -> Any:
+    """`ray.init` first replaces the driver's SIGTERM handler with `sys.exit(15)`, raised wherever the driver is:
+    in the middle of Ray's own start, it leaves a half-started head to the reaper and the process to die in
+    interpreter shutdown. A run that handles SIGTERM itself (StopFlag) keeps its handler while Ray starts."""
+    if not keep:
+        yield
+        return
+    import ray._private.utils as utils
+
+    set_handler = utils.set_sigterm_handler
+    utils.set_sigterm_handler = lambda handler: None
+    try:
+        yield
+    finally:
+        utils.set_sigterm_handler = set_handler
+
+
+@contextlib.contextmanager
+def _one_machine_head() -> Any:
+    """A local Ray head without the processes a one-machine run never uses: the autoscaler's monitor (one
+    machine's Ray has no nodes to add or remove; 55 MB of memory) and the API server (`dashboard.py`, behind Ray's
+    jobs, state API and dashboard, none of which a run calls; ~1 s of CPU on the start-up's busy cores and ~100 MB).
+    `ray.init` exposes no switch for either: `ray start --head` has one for the monitor (`--no-monitor`, the field
+    `RayParams.no_monitor` it sets), which the head `ray.init` starts is given, and the node's `start_api_server`
+    does nothing while it starts. The dashboard agent starts minimal (`--minimal`, as with Ray's minimal install:
+    no metrics export or HTTP server, which only the dashboard reads): `ray.init` decides that by importing the
+    dashboard's optional dependencies (aiohttp, grpc, prometheus, opencensus; ~0.25 CPU-s, and Ray's start 0.5 s
+    later, measured alternating), which it is told are absent. Ray's log monitor (actors' output on this console),
+    raylet and agents still start; a head started by `ray start` (a Slurm allocation) is joined as it is."""
+    import ray._private.node as node
+    import ray._private.parameter as parameter
+    import ray._private.utils as utils
+
+    base, start_api_server = parameter.RayParams, node.Node.start_api_server
+    dependency_error = utils.get_dashboard_dependency_error
+
+    class HeadParams(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.no_monitor = True
+
+    parameter.RayParams = HeadParams
+    node.Node.start_api_server = lambda self, **kwargs: None
+    utils.get_dashboard_dependency_error = lambda: ImportError("a one-machine run starts no dashboard")
+    try:
+        yield
+    finally:
+        parameter.RayParams, node.Node.start_api_server = base, start_api_server
+        utils.get_dashboard_dependency_error = dependency_error
