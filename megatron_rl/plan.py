@@ -454,7 +454,7 @@ class EngineMemory:
 def in_flight_sequences(run: RunConfig) -> int:
     """Sequences in flight on one engine at the pipeline's peak (rollout/pipeline.py: the producer starts a
     group only while fewer than its capacity are generating or waiting for the trainer): groups of
-    generations_per_prompt, `rollout.groups_in_flight` of them (config.py); the balancer spreads them over the
+    generations_per_prompt, `rollout.groups_in_flight` of them (config/rollout.py); the balancer spreads them over the
     engines, the busiest gets the ceiling."""
     r = run.rollout
     return -(-r.groups_in_flight * r.generations_per_prompt // r.engine.num_engines)
