@@ -19,6 +19,12 @@ from megatron_rl.generator.client import EngineRequestError, EngineTimeoutError,
 TOL_S = 0.01
 
 
+class Answer(str):
+    """A fake engine's answer: its name, and no generated tokens (what the balancer reads of a Segment)."""
+
+    tokens: list[int] = []
+
+
 class FakeClient:
     """Stands in for SGLangClient: `generate` sleeps `durations` in turn; `fail` makes the next call time out."""
 
@@ -37,7 +43,7 @@ class FakeClient:
             if self.fail:
                 self.fail = False
                 raise EngineTimeoutError(self.url, "fake timeout")
-            return self.url
+            return Answer(self.url)
         finally:
             self.outstanding -= 1
             self.intervals.append((start, time.monotonic()))
