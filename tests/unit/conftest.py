@@ -1,24 +1,39 @@
-"""Unit-test helpers shared across files."""
+"""The unit tier is pure: a unit test starts no process, no server and no Ray; tests/integration holds those.
 
-from collections.abc import Awaitable, Callable
+Each entry point is refused during a unit test with the reason, so a test that needs one fails here (and moves to
+tests/integration/<area>/) instead of slowing the tier down: subprocesses, multiprocessing children (the reward
+workers, torch's spawn), Ray (its start is processes too, refused by name so the message says so) and a server
+socket (aiohttp's test servers; a client's outgoing connection binds nothing).
+"""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import socket
+import subprocess
+from collections.abc import Callable
 
 import pytest
-from aiohttp import web
-
-Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
-@pytest.fixture
-def generate_server() -> Callable[[Handler], Awaitable[tuple[web.AppRunner, str]]]:
-    """Start a local HTTP server (no SGLang) whose POST /generate is `handler`: returns its runner (to clean up)
-    and base URL, on a free port of 127.0.0.1."""
+class StartsProcessesOrServers(RuntimeError):
+    """A unit test started a process or a server."""
 
-    async def serve(handler: Handler) -> tuple[web.AppRunner, str]:
-        app = web.Application()
-        app.router.add_post("/generate", handler)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
-    return serve
+def _refuse(what: str) -> Callable[..., None]:
+    def refused(*args: object, **kwargs: object) -> None:
+        raise StartsProcessesOrServers(f"a unit test {what}: it belongs in tests/integration/<area>/")
+
+    return refused
+
+
+@pytest.fixture(autouse=True)
+def _pure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(subprocess.Popen, "__init__", _refuse("starts a subprocess"))
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", _refuse("starts a multiprocessing process"))
+    monkeypatch.setattr(socket.socket, "bind", _refuse("binds a server socket"))
+    try:
+        import ray
+    except ImportError:
+        return
+    monkeypatch.setattr(ray, "init", _refuse("starts Ray"))

@@ -13,8 +13,6 @@ A package may import one of a lower layer, never one of its own layer or above (
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import megatron_rl
@@ -138,15 +136,3 @@ def test_the_checks_see_a_cycle_and_an_upward_import() -> None:
     assert "megatron_rl.models" in graph["megatron_rl.trainer.weights"]  # the weight sync's names
     assert "megatron_rl.data.code_tests" in graph["megatron_rl.data.datasets"]
     assert any(t.startswith("megatron_rl.trainer") for t in graph["megatron_rl.convert.hf_import"])
-
-
-def test_the_cli_and_the_driver_start_without_torch() -> None:
-    """`megatron-rl train` starts Ray before anything imports torch (seconds of CPU on a laptop): the data and the
-    tokenizer load in a thread while Ray's processes start (orchestration/train.py). A top-level torch import in
-    the CLI or the driver's modules would put those seconds back in front of Ray."""
-    code = (
-        "import sys, megatron_rl.cli, megatron_rl.orchestration.train;"
-        "from megatron_rl.cli import build_parser; build_parser();"
-        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'torch imported'"
-    )
-    subprocess.run([sys.executable, "-c", code], check=True)
