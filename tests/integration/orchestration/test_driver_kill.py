@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from small_run import small_run
 
 from megatron_rl.config import load_config
 from megatron_rl.data.datasets import load_splits
@@ -30,19 +31,14 @@ from megatron_rl.data.datasets import load_splits
 pytestmark = [pytest.mark.slow, pytest.mark.run]
 
 TOTAL_STEPS, EVERY, KILLS = 24, 2, 5
-ARGS = [
+ARGS = small_run(
     f"total_steps={TOTAL_STEPS}",
     f"checkpoint.every_steps={EVERY}",
     "checkpoint.keep_last=2",
-    "data.val_prompts=16",
     "eval.every_steps=4",
-    "eval.samples_per_prompt=2",
-    "eval.downstream.benchmarks=[]",
-    "rollout.prompts_per_step=8",
-    "rollout.generations_per_prompt=4",
     "logging.wandb=disabled",
     "logging.live_scaling_fit=false",
-]
+)
 
 
 def _run_processes(marker: str) -> list[str]:

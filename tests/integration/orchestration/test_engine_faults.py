@@ -30,6 +30,7 @@ from unittest import mock
 
 import pytest
 import torch
+from small_run import small_run
 
 from megatron_rl.config import load_config
 from megatron_rl.metrics import read_metrics
@@ -43,13 +44,7 @@ K = 2
 GENERATE_FAULT_AFTER, PUSH_FAULT_AT, HANG_AT, TOTAL_STEPS = 2, 4, 6, 6
 SYNC_TIMEOUT_S = 15
 CHECKED = ("model.norm.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight")
-SMALL = [
-    "data.val_prompts=16",
-    "eval.every_steps=2",
-    "eval.samples_per_prompt=2",
-    "eval.downstream.benchmarks=[]",
-    "rollout.prompts_per_step=8",
-    "rollout.generations_per_prompt=4",
+SMALL = small_run(
     f"rollout.k={K}",
     f"total_steps={TOTAL_STEPS}",
     "logging.wandb=disabled",
@@ -57,7 +52,7 @@ SMALL = [
     "checkpoint.every_steps=100",
     "checkpoint.save_on_signal=false",  # the run shares this process with pytest
     f"rollout.sync_timeout_s={SYNC_TIMEOUT_S}",
-]
+)
 
 
 class Faults:

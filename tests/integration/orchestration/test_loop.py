@@ -16,19 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_run import small_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.run]
 
-SMALL = [
-    "data.val_prompts=16",
-    "eval.every_steps=2",
-    "eval.samples_per_prompt=2",
-    "eval.downstream.benchmarks=[]",
-    "rollout.prompts_per_step=8",
-    "rollout.generations_per_prompt=4",
-    "logging.wandb=offline",
-    "checkpoint.every_steps=2",
-]
+SMALL = small_run("logging.wandb=offline", "checkpoint.every_steps=2")
 
 
 def _train(

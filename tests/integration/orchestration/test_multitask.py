@@ -15,22 +15,19 @@ import sys
 from pathlib import Path
 
 import pytest
+from small_run import small_run
 
 from megatron_rl.rewards.code import FAILURES
 
 pytestmark = [pytest.mark.slow, pytest.mark.run]
 
-OVERRIDES = [
+OVERRIDES = small_run(
     "total_steps=5",
     "data.val_prompts=8",
     "eval.every_steps=1",
-    "eval.samples_per_prompt=2",
-    "eval.downstream.benchmarks=[]",
-    "rollout.prompts_per_step=8",
-    "rollout.generations_per_prompt=4",
     "checkpoint.every_steps=100",
     "logging.wandb=offline",
-]
+)
 
 
 def test_math_and_code_run_logs_per_task_curves_and_fits_each(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from small_run import small_run
 
 from megatron_rl.cli import build_parser
 from megatron_rl.config import load_config
@@ -130,10 +131,8 @@ def _logs(tmp: Path, name: str) -> str:
     return "\n".join(p.read_text() for p in sorted(tmp.glob(f"{name}-*.out")))
 
 
-SMALL = (
-    "data.val_prompts=8 eval.every_steps=100 eval.samples_per_prompt=2 eval.downstream.benchmarks=[] "
-    "rollout.prompts_per_step=4 "
-    "rollout.generations_per_prompt=4 checkpoint.every_steps=100"
+SMALL = " ".join(
+    small_run("data.val_prompts=8", "eval.every_steps=100", "rollout.prompts_per_step=4", "checkpoint.every_steps=100")
 )
 
 

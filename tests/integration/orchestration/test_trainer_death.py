@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import pytest
+from small_run import small_run
 
 from megatron_rl.config import load_config
 from megatron_rl.metrics import read_metrics
@@ -20,19 +21,13 @@ from megatron_rl.trainer.checkpoint import latest_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.run]
 
-ARGS = [
+ARGS = small_run(
     "total_steps=3",
     "checkpoint.every_steps=2",
-    "data.val_prompts=16",
-    "eval.every_steps=2",
-    "eval.samples_per_prompt=2",
-    "eval.downstream.benchmarks=[]",
-    "rollout.prompts_per_step=8",
-    "rollout.generations_per_prompt=4",
     "logging.wandb=disabled",
     "logging.live_scaling_fit=false",
     "checkpoint.save_on_signal=false",  # the run shares this process with pytest
-]
+)
 
 
 @pytest.fixture
