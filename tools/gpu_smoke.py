@@ -64,7 +64,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
-# Llama-4's chunk cuts and temperature steps inside rows of 40-100 tokens (as tests/integration/test_llama4_attention)
+# Llama-4's chunk cuts and temperature steps inside rows of 40-100 tokens
+# (as tests/integration/trainer/test_llama4_attention)
 LLAMA4_RULES = [
     "model.attention_chunk_size=8",
     "model.attn_temperature_tuning=true",

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A real single-node Slurm on this machine, from Debian's packages, for the launch test
-# (tests/integration/test_slurm.py) and for trying slurm/ locally:
+# (tests/integration/orchestration/test_slurm.py) and for trying slurm/ locally:
 #
 #   bash tools/slurm_localhost.sh start     # install if needed, configure, start munged/slurmctld/slurmd
 #   bash tools/slurm_localhost.sh stop

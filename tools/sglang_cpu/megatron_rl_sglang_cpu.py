@@ -37,7 +37,7 @@ each sequence's cached prefix, up to a size where padding would cost more than t
 to the original method. The keys and values are gathered with `index_select` on the flattened slots (4x
 faster than indexing the pool with the [sequences, width] slot tensor at 1,024 sequences, the validation's
 batch). The results are checked against the original methods on random caches
-(tests/integration/test_sglang_cpu.py), and the engine tests compare the served log-probs with transformers'.
+(tests/integration/generator/test_sglang_cpu.py), and the engine tests compare the served log-probs with transformers'.
 Nothing in SGLang's files is modified; with CUDA present the module is left alone.
 
 3. No full garbage collection in `flush_cache` on CPU.
@@ -73,7 +73,7 @@ discards what the rotary embedding returns, relying on it writing into the q/k v
 What: on CPU, `Llama4Attention.forward` is replaced by one that runs the same submodules in the same order as
 transformers' Llama-4 attention: qkv projection, RoPE on RoPE layers (its returned q and k), the L2 QK-norm in
 fp32 and back to the activations' dtype, attention-temperature tuning on NoPE layers, attention, output
-projection. The served log-probs are compared with transformers' (tests/integration/test_sglang_families.py).
+projection. The served log-probs are compared with transformers' (tests/integration/generator/test_sglang_families.py).
 
 Two more defects of SGLang's text-only `Llama4ForCausalLM` (models/llama4.py) are corrected with it, on CPU:
 (a) transformers' Llama-4 rotates interleaved pairs of each head's q/k channels (complex RoPE) while SGLang's
@@ -125,7 +125,7 @@ of every row: on CPU that was 2 ms per decode step for 128 sequences of a 512-to
 What: without a per-request seed, each row draws one uniform u in [0, total) and takes the first token whose
 cumulative probability exceeds u (`searchsorted`): the same distribution (inverse transform sampling), 20x
 faster there. A zero-probability token is never drawn. The seeded (deterministic inference) path is SGLang's
-own. Checked against the probabilities by frequency (tests/integration/test_sglang_cpu.py).
+own. Checked against the probabilities by frequency (tests/integration/generator/test_sglang_cpu.py).
 
 9. `torch.compile` deferred to the first call in SGLang's processes on CPU.
 
