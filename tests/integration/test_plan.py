@@ -15,10 +15,27 @@ ROOT = Path(__file__).parents[2]
 
 
 def _plan(*args: str) -> subprocess.CompletedProcess:
+    return _plans(args)[0]
+
+
+def _plans(*calls: tuple[str, ...]) -> list[subprocess.CompletedProcess]:
+    """`megatron-rl plan` once per call, all started together: each spends seconds importing megatron-core and
+    building on the meta device, so a test's independent calls share the machine's cores instead of queueing."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_rl.cli", "plan", *args], capture_output=True, text=True, env=env, timeout=600
-    )
+    commands = [[sys.executable, "-m", "megatron_rl.cli", "plan", *args] for args in calls]
+    processes = [
+        subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for c in commands
+    ]
+    results = []
+    try:
+        for command, process in zip(commands, processes, strict=True):
+            stdout, stderr = process.communicate(timeout=600)
+            results.append(subprocess.CompletedProcess(command, process.returncode, stdout, stderr))
+    finally:
+        for process in processes:
+            process.kill()  # only those past the timeout are still running
+            process.wait()
+    return results
 
 
 def _total(out: str) -> float:
@@ -71,25 +88,27 @@ def test_published_layouts_fit_and_an_undersized_one_is_refused():
     nemo_rl += ["trainer.micro_batch_tokens=4096", "rollout.max_prompt_tokens=1024", "rollout.answer_tokens=1024"]
     nemo_rl += ["rollout.interruption.min_thinking_tokens=2048", "rollout.interruption.max_thinking_tokens=2048"]
     nemo_rl += ["trainer.recompute.granularity=none"]
-    fits = _plan("--model", "qwen3_30b_a3b", *nemo_rl)
-    assert fits.returncode == 0, fits.stdout + fits.stderr
     # NeMo-RL's examples/configs/grpo_math_8B_megatron.yaml: Llama-3.1-8B on 1 node x 8 H100, TP 1, PP 2, no
     # SP, no activation checkpointing, 4,096-token packed rows.
     nemo_rl_8b = ["parallel.trainer_devices=8", "parallel.tp=1", "parallel.pp=2", "parallel.sequence_parallel=false"]
     nemo_rl_8b += ["trainer.micro_batch_tokens=4096", "rollout.max_prompt_tokens=1024", "rollout.answer_tokens=1024"]
     nemo_rl_8b += ["rollout.interruption.min_thinking_tokens=2048", "rollout.interruption.max_thinking_tokens=2048"]
-    fits = _plan("--model", "llama3_8b", *nemo_rl_8b, "trainer.recompute.granularity=none")
-    assert fits.returncode == 0 and "plan: fits" in fits.stdout, fits.stdout + fits.stderr
     # Megatron-Bridge's recipes/llama/llama4_e16.py (Scout): TP 4 + SP, PP 1, ETP 4, EP 16, 8,192-token
     # sequences, no recompute; 64 GPUs is the smallest world its ETP x EP forms.
     bridge = ["parallel.trainer_devices=64", "parallel.tp=4", "parallel.sequence_parallel=true", "parallel.ep=16"]
     bridge += ["parallel.etp=4", "trainer.micro_batch_tokens=8192", "rollout.max_prompt_tokens=2048"]
     bridge += ["rollout.answer_tokens=2048", "rollout.interruption.min_thinking_tokens=4096"]
     bridge += ["rollout.interruption.max_thinking_tokens=4096", "trainer.recompute.granularity=none"]
-    fits = _plan("--model", "llama4_scout_17bx16e", *bridge)
-    assert fits.returncode == 0 and "plan: fits" in fits.stdout, fits.stdout + fits.stderr
     # Deliberately undersized: Qwen3-30B-A3B on 4 H100s (EP 4) holds 7.6B expert parameters per GPU at 18 B each.
-    refused = _plan("--model", "qwen3_30b_a3b", "parallel.trainer_devices=4", "parallel.ep=4")
+    nemo_fits, nemo_8b_fits, bridge_fits, refused = _plans(
+        ("--model", "qwen3_30b_a3b", *nemo_rl),
+        ("--model", "llama3_8b", *nemo_rl_8b, "trainer.recompute.granularity=none"),
+        ("--model", "llama4_scout_17bx16e", *bridge),
+        ("--model", "qwen3_30b_a3b", "parallel.trainer_devices=4", "parallel.ep=4"),
+    )
+    assert nemo_fits.returncode == 0, nemo_fits.stdout + nemo_fits.stderr
+    for fits in (nemo_8b_fits, bridge_fits):
+        assert fits.returncode == 0 and "plan: fits" in fits.stdout, fits.stdout + fits.stderr
     assert refused.returncode == 2 and "does not fit" in refused.stdout
     assert "fits with:" in refused.stdout
 
@@ -194,14 +213,16 @@ def test_long_context_and_offload_layouts_fit_with_a_tenth_of_the_device_free(na
 
 
 def test_a_long_row_without_context_parallel_is_refused_with_cp_and_offload_among_the_fixes():
-    result = _plan("--recipe", "scalerl-32k", "--model", "llama4_scout_17bx16e", "parallel.cp=1")
+    # the third: nodes of 4 GPUs (an allocation of 20 x 4, engines of TP 4): half the ranks, half the host memory
+    result, host, four = _plans(
+        ("--recipe", "scalerl-32k", "--model", "llama4_scout_17bx16e", "parallel.cp=1"),
+        ("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "trainer.optimizer.cpu_offload=true",
+         "compute.host_memory_gib=512"),
+        ("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "trainer.optimizer.cpu_offload=true",
+         "rollout.engine.tp=4", "rollout.engine.num_engines=16", "--allocation", "20x4"),
+    )  # fmt: skip
     assert result.returncode == 2
     assert "fits with: CP 2 (parallel.cp=2)" in result.stdout
     assert "fits with: optimizer offload (trainer.optimizer.cpu_offload=true)" in result.stdout
-    host = _plan("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "trainer.optimizer.cpu_offload=true",
-                 "compute.host_memory_gib=512")  # fmt: skip
     assert host.returncode == 2 and "trainer host memory: 803 GiB per node of 8 trainer GPUs" in host.stdout
-    # nodes of 4 GPUs (an allocation of 20 x 4, engines of TP 4): half the ranks, half the host memory, per node
-    four = _plan("--model", "llama4_scout_17bx16e", "parallel.trainer_devices=16", "trainer.optimizer.cpu_offload=true",
-                 "rollout.engine.tp=4", "rollout.engine.num_engines=16", "--allocation", "20x4")  # fmt: skip
     assert four.returncode == 0 and "the trainer ranks of a node need 402 GiB" in four.stdout, four.stdout
