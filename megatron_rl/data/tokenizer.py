@@ -77,7 +77,7 @@ def load_tokenizer(path: str | Path) -> Any:
     `importlib.util.find_spec("torch")` report it absent, transformers settles into its tokenizers-only mode
     (it decides once, at import), and torch is visible again when the import returns. The tokenizer is the
     same either way: the fast tokenizer is `tokenizers`' own, and token ids come back as lists
-    (tests/unit/test_tokenizer_no_torch.py compares ids and chat templates with a torch process's).
+    (tests/integration/data/test_tokenizer_no_torch.py compares ids and chat templates with a torch process's).
     transformers' advice at that import ("PyTorch was not found. Models won't be available ...") is filtered
     from its logger for the import's duration: torch is hidden on purpose and would mislead a run's console.
     A process that already holds torch or transformers (the first CPU run, whose warm-up trains in the

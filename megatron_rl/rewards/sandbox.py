@@ -48,7 +48,7 @@ What is not protected
   tagged plain data, and the host compares them with expected values that never enter the sandbox
   (rewards/code.py). Test programs (assert lists, HumanEval's `check`) run in a second sandbox of their own, the
   judge's, talking to the solution's only through the host (`Session`, rewards/judge.py), so nothing the solution
-  does reaches the test or its verdict (tests/integration/test_reward_forgery.py).
+  does reaches the test or its verdict (tests/integration/rewards/test_reward_forgery.py).
 - Development mode (`allow_unisolated`, loudly logged): only rlimits (no process limit), a scratch cwd, a
   scrubbed environment and a process group, as the calling user; the program can read and write the
   host, use the network, fork-bomb the user and leave daemons.

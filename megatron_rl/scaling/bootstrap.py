@@ -45,7 +45,7 @@ Intervals on R: `predict_interval(C)` is the interval of the mean curve at C (th
 falls in, which is what an extrapolation check compares against.
 
 Calibration against curves with known parameters, iid and autocorrelated noise:
-tests/unit/test_scaling_bootstrap.py and the benchmark.
+tests/unit/scaling/test_scaling_bootstrap.py and the benchmark.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ What is patched, and why (docs/cpu.md §3):
    CPU trainer step. Here each local token's position in its own sequence (under CP, in the rank's two
    chunks) is computed once from `cu_seqlens`, the frequencies are gathered for all tokens at once and the
    row is rotated in one call of megatron's own `_apply_rotary_pos_emb_bshd`: the same positions and the same
-   elementwise arithmetic as the loop, so the same values bit for bit (tests/integration/test_trainer.py).
+   elementwise arithmetic as the loop, so the same values bit for bit (tests/integration/trainer/test_trainer.py).
    Frequencies given per packed token (`freqs` as long as the whole row) go to megatron's function unchanged.
 
 7. `torch.compile` while the bodies of `megatron.core.jit` and `megatron.core.transformer.moe.router` run
@@ -46,7 +46,7 @@ What is patched, and why (docs/cpu.md §3):
    first call), and nothing imports inductor (63 MB per rank).
 
 `PATCHED_SYMBOLS` lists every megatron-core symbol the layer relies on; `check_symbols()` (and the canary
-test `test_cpu_compat_symbols_exist` in tests/integration/test_trainer.py) fails with the missing names if a
+test `test_cpu_compat_symbols_exist` in tests/integration/trainer/test_trainer.py) fails with the missing names if a
 megatron-core upgrade renames one, instead of a confusing CUDA error deep in a forward pass.
 """
 
