@@ -12,7 +12,7 @@ allowed values. The resolved config is written into the run directory (`save_con
 Defaults are the ScaleRL recipe of docs/recipe.md (the paper's values); choices the paper leaves
 open are marked "(ours)" in the field docstrings.
 
-This package imports no torch, Megatron, SGLang or Ray (tests/unit/test_config.py proves it): the CLI,
+This package imports no torch, Megatron, SGLang or Ray (tests/integration/test_config.py proves it): the CLI,
 the Slurm launcher and the recipe checks parse configs without paying for heavy imports.
 """
 
@@ -43,6 +43,7 @@ from megatron_rl.config.rollout import (
     InterruptionConfig,
     RolloutConfig,
     SamplingConfig,
+    ToolsConfig,
 )
 from megatron_rl.config.run import CheckpointConfig, ComputeConfig, LoggingConfig, RunConfig
 from megatron_rl.config.trainer import (
@@ -88,6 +89,7 @@ __all__ = [
     "RolloutConfig",
     "RunConfig",
     "SamplingConfig",
+    "ToolsConfig",
     "SandboxConfig",
     "TrainerConfig",
     "apply_overrides",

@@ -89,6 +89,56 @@ class EngineConfig:
             fail("mem_fraction", f"must be in (0, 1], got {self.mem_fraction}")
 
 
+@dataclass
+class ToolsConfig:
+    """Tools a policy may call while it reasons (rollout/tools.py, rollout/trajectory.py).
+
+    A call is the chat-template tool-call format Qwen and Hermes use: `call_start`, a JSON object
+    {"name": ..., "arguments": {...}}, `call_end`. The engine stops at `call_end`, which must therefore be one
+    token of the policy's tokenizer; the tool's output comes back inside `response_template`, masked out of the
+    loss. Every limit is per trajectory unless it says per call.
+    """
+
+    enabled: list[str] = field(default_factory=list)
+    """The tools a dataset row may declare (names in rollout/tools.py TOOLS); empty: no row uses tools."""
+    call_start: str = "<tool_call>"
+    call_end: str = "</tool_call>"
+    response_template: str = "\n<tool_response>\n{output}\n</tool_response>\n"
+    """How a call's result is shown to the policy; `{output}` is the tool's text."""
+    max_calls: int = 4
+    """Calls a trajectory may make; the next one ends it (finish "length", counted as a limit hit)."""
+    call_time_s: float = 5.0
+    """Wall and CPU time of one call (a call past it is killed and answered with a timeout)."""
+    trajectory_time_s: float = 20.0
+    """Tool time one trajectory may spend; a call that could take it past this is not run and ends it."""
+    max_output_bytes: int = 1024
+    """Bytes of one call's output shown to the policy; the rest is cut with a visible marker."""
+    max_environment_tokens: int = 1024
+    """Tool-response tokens one trajectory may receive (they are outside the thinking budget, so bounded here);
+    a response past it is cut, and a call once it is spent ends the trajectory."""
+    memory_mb: int = 512
+    """Memory of one call's sandbox."""
+
+    def __post_init__(self) -> None:
+        for name in ("call_start", "call_end"):
+            if not getattr(self, name):
+                fail(name, "must be a non-empty marker")
+        if "{output}" not in self.response_template:
+            fail("response_template", f"must contain {{output}}, got {self.response_template!r}")
+        if len(set(self.enabled)) != len(self.enabled):
+            fail("enabled", f"names a tool twice: {self.enabled}")
+        for name in ("max_calls", "max_output_bytes", "max_environment_tokens"):
+            if getattr(self, name) < 1:
+                fail(name, f"must be >= 1, got {getattr(self, name)}")
+        if self.memory_mb < 16:
+            fail("memory_mb", f"must be >= 16, got {self.memory_mb}")
+        for name in ("call_time_s", "trajectory_time_s"):
+            if not getattr(self, name) > 0:
+                fail(name, f"must be > 0 seconds, got {getattr(self, name)}")
+        if self.trajectory_time_s < self.call_time_s:
+            fail("trajectory_time_s", f"must be >= call_time_s={self.call_time_s}, got {self.trajectory_time_s}")
+
+
 PHRASE_TOKEN_ALLOWANCE = 64
 """Tokens the interruption phrase may take in the engines' context (the default phrase is ~20 in Llama-3's and in
 the tiny models' tokenizers)."""
@@ -123,6 +173,8 @@ class RolloutConfig:
     caught up. Must cover loading one bucket on the slowest engine."""
     max_retries: int = 3
     """Retries of a request whose engine failed, on another engine or after restart."""
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    """Tools the policy may call while it reasons, for rows that declare them (multi-turn trajectories)."""
 
     def __post_init__(self) -> None:
         if self.k < 1:
