@@ -104,8 +104,11 @@ def describe(result: RunResult, cfg: ToolsConfig) -> ToolResult:
         status, note = "error", "\n".join(err.splitlines()[-3:]) or f"[exit status {result.exit_code}]"
     else:
         note = err
-    text = out + ("\n" if out and note and not out.endswith("\n") else "") + note
-    text, truncated = bounded(text.strip("\n") if status != "ok" else text.rstrip("\n"), cfg.max_output_bytes)
+    # the output and the note are bounded apart, so a flood never hides why the program stopped
+    out, truncated = bounded(out.rstrip("\n"), cfg.max_output_bytes)
+    note, note_cut = bounded(note, max(cfg.max_output_bytes, 256))  # a limit's note or a traceback's last lines
+    text = "\n".join(part for part in (out, note) if part)
+    truncated = truncated or note_cut
     return ToolResult(text, status, truncated)
 
 

@@ -126,7 +126,7 @@ def test_call_limit_ends_the_trajectory():
 def test_flooding_response_cut_to_environment_budget():
     c = call('{"name": "echo", "arguments": {"text": "' + "w" * 400 + '"}}')
     out, stats, _ = run([c, encode("1") + [EOS]], cfg(max_environment_tokens=100, answer=20, thinking=(900, 900)))
-    env = [t for t, m in zip(out.tokens, out.loss_mask) if not m]
+    env = [t for t, m in zip(out.tokens, out.loss_mask, strict=True) if not m]
     assert len(env) == 100 == stats.environment_tokens
     assert decode(env).endswith("\n</tool_response>\n") and stats.truncated == 1
 
