@@ -1,0 +1,65 @@
+"""The Python tool through the real bubblewrap sandbox, inside a trajectory: a call that prints, one that raises,
+one that hangs, one that floods, one that tries the network and the host's files; each answered, bounded and
+counted."""
+
+import asyncio
+import json
+import random
+
+from megatron_rl.config import InterruptionConfig, RolloutConfig, ToolsConfig
+from megatron_rl.rollout.interruption import InterruptionTokens, Segment
+from megatron_rl.rollout.tools import build_tools
+from megatron_rl.rollout.trajectory import ToolTokens, generate_trajectory
+
+EOS, THINK_END, CALL_END = 2, 4, 9
+IDS = InterruptionTokens(end_of_thinking=THINK_END, eos=EOS, phrase=[THINK_END])
+SPECIAL = {CALL_END: "</tool_call>", EOS: "<eos>", THINK_END: "</think>"}
+CODEC = ToolTokens(
+    call_end=CALL_END,
+    decode=lambda ids: "".join(SPECIAL.get(i, chr(i - 100) if i >= 100 else "") for i in ids),
+    encode=lambda text: [ord(c) + 100 for c in text],
+)
+PROGRAMS = [
+    "print(987 + 654)",
+    "1 / 0",
+    "while True: pass",
+    "print('z' * 10**7)",
+    "print('q' * 3000)",
+    "import socket\ntry:\n    socket.create_connection(('1.1.1.1', 80), timeout=1)\n    print('online')\n"
+    "except OSError as e:\n    print('offline', type(e).__name__)",
+    "try:\n    open('/work/escape', 'w').write('x')\n    print('wrote')\n"
+    "except OSError as e:\n    print('denied', e.errno)",
+]
+
+
+def test_python_tool_calls_bounded_and_counted():
+    turns = [CODEC.encode("<tool_call>" + json.dumps({"name": "python", "arguments": {"code": p}})) + [CALL_END]
+             for p in PROGRAMS] + [CODEC.encode("done") + [EOS]]  # fmt: skip
+    count = 0
+
+    async def generate(input_ids, max_new, stop_ids):
+        nonlocal count
+        tokens = turns[count][:max_new]
+        count += 1
+        return Segment(tokens, [-0.1] * len(tokens), [1] * len(tokens), "stop")
+
+    tools_cfg = ToolsConfig(max_calls=8, call_time_s=2.0, trajectory_time_s=30.0, max_output_bytes=200,
+                            max_environment_tokens=4000)  # fmt: skip
+    cfg = RolloutConfig(interruption=InterruptionConfig(min_thinking_tokens=5000, max_thinking_tokens=5000),
+                        answer_tokens=10, tools=tools_cfg)  # fmt: skip
+    out, stats = asyncio.run(
+        generate_trajectory(generate, [1], cfg, IDS, random.Random(0), lambda: 1, build_tools(["python"]), CODEC)
+    )
+    responses = CODEC.decode([t for t, m in zip(out.tokens, out.loss_mask, strict=True) if not m])
+    parts = responses.split("</tool_response>")[:-1]
+    assert len(parts) == 7
+    assert parts[0].strip().endswith("1641")
+    assert "ZeroDivisionError: division by zero" in parts[1]
+    assert "[timeout: killed after 2 s]" in parts[2]
+    assert "[output limit: the program was killed]" in parts[3]  # a flood is killed at the sandbox's output cap
+    assert "q" * 200 + "\n[output truncated: 2800 more bytes]" in parts[4]
+    assert "offline" in parts[5] and "online\n" not in parts[5]
+    assert "denied" in parts[6] and "wrote" not in parts[6]
+    assert (stats.calls, stats.errors, stats.timeouts, stats.malformed, stats.turns) == (7, 2, 1, 0, 8)
+    assert stats.truncated == 1 and out.finish_reason == "stop"
+    assert stats.environment_tokens == len(out.tokens) - sum(out.loss_mask)
