@@ -13,6 +13,9 @@ import socket
 import subprocess
 from collections.abc import Callable
 
+# megatron-core computes its version by running `git rev-parse` when it is first imported (package_info.py): that
+# import happens here, once, at collection, not inside whichever unit test imports megatron first.
+import megatron.core  # noqa: F401
 import pytest
 
 
