@@ -23,6 +23,8 @@ class DatasetConfig:
     """Use only the first N rows (ours; for smoke runs)."""
     val_prompts: int | None = None
     """Held-out prompts of this dataset; null: `data.val_prompts`."""
+    tools: list[str] = field(default_factory=list)
+    """Tools every row of this dataset may call (names of rollout.tools.enabled), besides a row's own `tools`."""
 
     def __post_init__(self) -> None:
         if self.weight <= 0:

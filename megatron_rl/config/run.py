@@ -98,6 +98,13 @@ class RunConfig:
             )
         if not self.name or self.name in (".", "..") or Path(self.name).name != self.name or "\\" in self.name:
             fail("name", f"must be one directory name inside output_dir (no '/' or '..'), got {self.name!r}")
+        for i, source in enumerate(d.datasets):
+            unknown = [name for name in source.tools if name not in self.rollout.tools.enabled]
+            if unknown:
+                fail(
+                    f"data.datasets[{i}].tools",
+                    f"{unknown} not in rollout.tools.enabled={self.rollout.tools.enabled} (the tools the run offers)",
+                )
         if self.rollout.interruption.enabled and self.algo.length_penalty.enabled:
             fail(
                 "algo.length_penalty.enabled",

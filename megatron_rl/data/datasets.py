@@ -10,6 +10,7 @@ held-out prompts on every machine.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import random
@@ -34,6 +35,9 @@ class Prompt:
     tests: dict[str, Any] | None = None
     """Test cases (code): stdin/stdout, call-based or assert-based; see rewards/code.py. DeepCoder's
     per-case lists are converted to these forms when the row is loaded."""
+    tools: tuple[str, ...] = ()
+    """Tools the policy may call while answering (a row's `tools` column and its dataset's `tools`; names of
+    rollout.tools.enabled): a prompt with tools is sampled as a multi-turn trajectory (rollout/trajectory.py)."""
 
 
 # For each task: field -> accepted column names, in order of preference.
@@ -95,8 +99,13 @@ def parse_row(row: Any, task: str, source: str, index: int, line: int | None = N
             values["tests"] = normalise_tests(tests)
         except ValueError as exc:
             raise DatasetError(f"{where}: field 'tests': {exc}") from None
+    tools = row.get("tools") or []
+    if isinstance(tools, str):
+        tools = [tools]
+    if not isinstance(tools, (list, tuple)) or not all(isinstance(t, str) and t for t in tools):
+        raise DatasetError(f"{where}: field 'tools' must be a list of tool names, got {tools!r}")
     prompt_id = str(row.get("id", row.get("problem_id", f"{Path(source).stem}-{index}")))
-    return Prompt(id=prompt_id, task=task, **values)
+    return Prompt(id=prompt_id, task=task, tools=tuple(tools), **values)
 
 
 def read_rows(source: str, split: str, subset: str | None = None) -> list[tuple[int, Any]]:
@@ -186,15 +195,20 @@ class Splits:
     stats: dict[str, LoadStats]
 
     def fingerprints(self) -> dict[str, str]:
-        """Per dataset: a hash of its training prompts in order (id, prompt, answer, tests), which a checkpoint
+        """Per dataset: a hash of its training prompts in order (id, prompt, answer, tests, tools), which a checkpoint
         records so that a resume finds data changed under the same config (orchestration/resume.py)."""
         out = {}
         for key, prompts in self.train.items():
             digest = hashlib.sha256()
             for p in prompts:
-                digest.update(json.dumps([p.id, p.prompt, p.answer, p.tests], sort_keys=True, default=str).encode())
+                fields = [p.id, p.prompt, p.answer, p.tests] + ([list(p.tools)] if p.tools else [])
+                digest.update(json.dumps(fields, sort_keys=True, default=str).encode())
             out[key] = digest.hexdigest()[:16]
         return out
+
+
+def _union(first: tuple[str, ...], more: list[str]) -> tuple[str, ...]:
+    return first + tuple(name for name in more if name not in first)
 
 
 def load_splits(cfg: DataConfig) -> Splits:
@@ -206,6 +220,8 @@ def load_splits(cfg: DataConfig) -> Splits:
         if dataset.key in train:
             raise DatasetError(f"data.datasets: {dataset.key} is listed twice")
         prompts, stats[dataset.key] = load_prompts(dataset, cfg.bad_rows)
+        if dataset.tools:  # every row of the dataset may call them, besides its own
+            prompts = [dataclasses.replace(p, tools=_union(p.tools, dataset.tools)) for p in prompts]
         order = list(range(len(prompts)))
         random.Random(f"{cfg.seed}:{dataset.key}").shuffle(order)
         n_val = min(cfg.val_prompts if dataset.val_prompts is None else dataset.val_prompts, len(prompts) // 2)

@@ -182,13 +182,12 @@ async def evaluate_model(run: RunConfig, hf_dir: Path, out: Path, sets: dict[str
     from transformers import AutoTokenizer
 
     from megatron_rl.orchestration.engines import EngineGroup, LocalLaunch, local_engines
-    from megatron_rl.orchestration.inputs import prompt_encoding
+    from megatron_rl.orchestration.inputs import prompt_encoding, sampling_session
     from megatron_rl.rewards.workers import RewardWorkers
     from megatron_rl.rollout.evaluation import evaluate_benchmarks
-    from megatron_rl.rollout.session import SamplingSession
 
     run.check_context(hf_dir)
-    encoder, tokens = prompt_encoding(run, AutoTokenizer.from_pretrained(hf_dir))
+    encoding = prompt_encoding(run, AutoTokenizer.from_pretrained(hf_dir))
     config = run.eval.downstream
     launch = LocalLaunch(run, out) if local_engines(run) else None
     rewards: RewardWorkers | None = None
@@ -203,7 +202,7 @@ async def evaluate_model(run: RunConfig, hf_dir: Path, out: Path, sets: dict[str
     try:
         rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
         await engines.start()
-        session = SamplingSession(engines.generate, encoder, run.rollout, tokens, rewards)
+        session = sampling_session(run, encoding, engines.generate, rewards)
         return await evaluate_benchmarks(
             {name: bench.prompts for name, bench in sets.items()},
             config.samples_per_prompt,

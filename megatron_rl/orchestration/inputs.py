@@ -1,7 +1,8 @@
 """What a run reads before anything starts, each source checked: the training data (unchanged since the checkpoint
 resumed from), the downstream benchmarks, the sandbox (code tasks), the starting policy (warm-started on first use)
 and its tokenizer with the budgets it implies. `megatron-rl train` reads them from a worker thread while Ray starts;
-`megatron-rl eval` reads the benchmarks and builds the same prompt encoder and interruption tokens."""
+`megatron-rl eval` reads the benchmarks and builds the same prompt encoding. `sampling_session` builds the one
+sampling context both sample through (rollout/session.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from megatron_rl.config import RunConfig
+from megatron_rl.config import ConfigError, RunConfig
 from megatron_rl.data.benchmarks import BenchmarkSet, load_benchmark
-from megatron_rl.data.datasets import Splits, load_splits
+from megatron_rl.data.datasets import DatasetError, Splits, load_splits
 from megatron_rl.orchestration.resume import check_data
 
 if TYPE_CHECKING:
     from megatron_rl.orchestration.engines import LocalLaunch
-    from megatron_rl.rollout.interruption import InterruptionTokens
-    from megatron_rl.rollout.session import PromptEncoder
+    from megatron_rl.rewards.workers import RewardWorkers
+    from megatron_rl.rollout.interruption import GenerateFn, InterruptionTokens
+    from megatron_rl.rollout.session import PromptEncoder, SamplingSession
+    from megatron_rl.rollout.trajectory import ToolTokens
+
+
+@dataclass
+class Encoding:
+    """How prompts become ids and what length control and tool calls need of the tokenizer."""
+
+    encoder: PromptEncoder
+    tokens: InterruptionTokens
+    tool_ids: ToolTokens | None
+    """Set when the run offers tools (rollout.tools.enabled)."""
 
 
 @dataclass
@@ -28,8 +41,7 @@ class Inputs:
     downstream: dict[str, BenchmarkSet]
     policy: Path
     """The starting policy (a Hugging Face directory)."""
-    encoder: PromptEncoder
-    tokens: InterruptionTokens
+    encoding: Encoding
 
 
 def prepare_inputs(run: RunConfig, launch: LocalLaunch | None = None, resumed: Path | None = None) -> Inputs:
@@ -40,10 +52,11 @@ def prepare_inputs(run: RunConfig, launch: LocalLaunch | None = None, resumed: P
         check_data(splits.fingerprints(), resumed)
     _report_data(splits)
     downstream = load_downstream(run)
-    if any(d.task == "code" for d in run.data.datasets):
+    _check_tools(run, splits)
+    if any(d.task == "code" for d in run.data.datasets) or run.rollout.tools.enabled:
         from megatron_rl.rewards.sandbox import get_sandbox
 
-        get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first reward
+        get_sandbox(run.rewards.sandbox)  # no isolation for model-written code: stop now, not at the first call
     from megatron_rl.orchestration.warmstart import prepare_policy
 
     policy = prepare_policy(run, splits)
@@ -53,18 +66,56 @@ def prepare_inputs(run: RunConfig, launch: LocalLaunch | None = None, resumed: P
         launch.start(policy)
     from megatron_rl.data.tokenizer import load_tokenizer  # transformers, without torch: while Ray starts
 
-    encoder, tokens = prompt_encoding(run, load_tokenizer(policy))
-    run.check_row_budget(len(tokens.phrase))  # the longest row fits a micro-batch: stop now, not in a collective
-    run.rollout.check_phrase(len(tokens.phrase))  # and the engines' context
-    return Inputs(splits, downstream, policy, encoder, tokens)
+    encoding = prompt_encoding(run, load_tokenizer(policy))
+    phrase = len(encoding.tokens.phrase)
+    run.check_row_budget(phrase)  # the longest row fits a micro-batch: stop now, not in a collective
+    run.rollout.check_phrase(phrase)  # and the engines' context
+    return Inputs(splits, downstream, policy, encoding)
 
 
-def prompt_encoding(run: RunConfig, tokenizer: Any) -> tuple[PromptEncoder, InterruptionTokens]:
-    """The prompt encoder (the data's chat template and system prompt) and length control's token ids."""
+def prompt_encoding(run: RunConfig, tokenizer: Any) -> Encoding:
+    """The prompt encoder (the data's chat template and system prompt), length control's token ids and, when the
+    run offers tools, the tool call's closing token."""
     from megatron_rl.rollout.session import PromptEncoder, interruption_tokens
+    from megatron_rl.rollout.trajectory import tool_tokens
 
     encoder = PromptEncoder(tokenizer, run.data.system_prompt, run.data.chat_template)
-    return encoder, interruption_tokens(run.rollout, tokenizer)
+    tool_ids = None
+    if run.rollout.tools.enabled:
+        try:
+            tool_ids = tool_tokens(tokenizer, run.rollout.tools)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return Encoding(encoder, interruption_tokens(run.rollout, tokenizer), tool_ids)
+
+
+def sampling_session(
+    run: RunConfig, encoding: Encoding, generate: GenerateFn, rewards: RewardWorkers
+) -> SamplingSession:
+    """The run's sampling context over the engines' `generate`, with the tools of `rollout.tools.enabled`."""
+    from megatron_rl.rollout.session import SamplingSession
+    from megatron_rl.rollout.tools import build_tools
+
+    try:
+        tools = build_tools(run.rollout.tools.enabled, run.rewards.sandbox.allow_unisolated)
+    except ValueError as exc:
+        raise ConfigError(f"rollout.tools.enabled: {exc}") from None
+    return SamplingSession(
+        generate, encoding.encoder, run.rollout, encoding.tokens, rewards, tools=tools, tool_ids=encoding.tool_ids
+    )
+
+
+def _check_tools(run: RunConfig, splits: Splits) -> None:
+    """Every tool a prompt declares is one the run offers (rollout.tools.enabled)."""
+    offered = set(run.rollout.tools.enabled)
+    for prompts in [*splits.train.values(), *splits.val.values()]:
+        for prompt in prompts:
+            unknown = [name for name in prompt.tools if name not in offered]
+            if unknown:
+                raise DatasetError(
+                    f"prompt {prompt.id} ({prompt.task}): field 'tools' names {unknown}, not in "
+                    f"rollout.tools.enabled={sorted(offered)}"
+                )
 
 
 def load_downstream(run: RunConfig) -> dict[str, BenchmarkSet]:

@@ -43,7 +43,7 @@ from megatron_rl.metrics import ComputeClock, MetricsLogger, end_wandb, start_wa
 from megatron_rl.orchestration.actors import TrainerDied, TrainerGroup
 from megatron_rl.orchestration.engines import EngineGroup, LocalLaunch, local_engines
 from megatron_rl.orchestration.evaluations import Evaluations
-from megatron_rl.orchestration.inputs import prepare_inputs
+from megatron_rl.orchestration.inputs import prepare_inputs, sampling_session
 from megatron_rl.orchestration.placement import check_cpu_slots
 from megatron_rl.orchestration.ray_head import start_ray
 from megatron_rl.orchestration.reaper import Reaper
@@ -308,7 +308,6 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
 
         from megatron_rl.algo.filters import NoPositiveResampling
         from megatron_rl.rollout.pipeline import RolloutPipeline
-        from megatron_rl.rollout.session import SamplingSession
 
         no_positive = NoPositiveResampling(run.algo.no_positive_resampling)
         sampler = CurriculumSampler(splits.train, {d.key: d.weight for d in run.data.datasets}, run.seed, no_positive)
@@ -332,7 +331,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         # the start-up's busy cores: the first rewards are needed at the end of the first evaluation's generation.
         rewards = RewardWorkers(run.rewards, processes=run.rewards.processes)
         seed = run.seed + step
-        session = SamplingSession(engines.generate, inputs.encoder, run.rollout, inputs.tokens, rewards)
+        session = sampling_session(run, inputs.encoding, engines.generate, rewards)
         pipeline = RolloutPipeline(session, run.algo, sampler, seed=seed, version=step)
         devices = run.parallel.trainer_devices + (run.compute.generator_devices or engines.devices)
         clock = ComputeClock(devices, start_hours)

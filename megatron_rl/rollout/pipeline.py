@@ -47,6 +47,7 @@ from megatron_rl.config import AlgoConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.rollout.session import SamplingSession
+from megatron_rl.rollout.trajectory import ToolStats
 from megatron_rl.rollout.types import Completion, Group
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,8 @@ class SampledGroup:
     """The policy version when the group was started: it is due `rollout.k` versions later."""
     prompt: Prompt | None = None
     """The prompt as the sampler gave it (reported back to it once the group is taken)."""
+    tools: list[ToolStats] = field(default_factory=list)
+    """Each trajectory's tool use (a prompt with tools), in completion order."""
 
     @property
     def kept(self) -> bool:
@@ -91,6 +94,8 @@ class BatchStats:
     """Cumulative: prompts over `max_prompt_tokens`, skipped."""
     by_task: dict[str, list[float]] = field(default_factory=dict)
     """Per task: [completions, reward sum, passed]."""
+    tools: list[tuple[ToolStats, bool]] = field(default_factory=list)
+    """Each trajectory of a prompt with tools: its tool use and whether it passed."""
 
     def as_metrics(self) -> dict[str, float]:
         n = max(self.completions, 1)
@@ -111,6 +116,8 @@ class BatchStats:
             "train/long_prompts_skipped": float(self.long_prompts_skipped),
         }
         metrics.update({f"train/failures/{k}": float(v) for k, v in sorted(self.failures.items())})
+        if self.tools:
+            metrics.update(tool_metrics(self.tools))
         for task, (count, reward, passed) in sorted(self.by_task.items()):
             metrics[f"train/reward/{task}"] = reward / count
             metrics[f"train/pass_rate/{task}"] = passed / count
@@ -216,11 +223,13 @@ class RolloutPipeline:
         try:
             seeds = [self.rng.random() for _ in range(self.cfg.generations_per_prompt)]
             completions = await asyncio.gather(*(self._completion(prompt, prompt_ids, s) for s in seeds))
-            group = Group(prompt.id, prompt.task, [c for c, _, _ in completions])
-            passed = [p for _, p, _ in completions]
-            failures = [f for _, _, f in completions if f]
+            tools = [t for _, _, _, t in completions if t is not None]
+            group = Group(prompt.id, prompt.task, [c for c, _, _, _ in completions])
+            passed = [p for _, p, _, _ in completions]
+            failures = [f for _, _, f, _ in completions if f]
             self.sampler.no_positive.update(prompt.id, passed)
-            self.buffer.append(SampledGroup(group, self._trained_part(group), passed, failures, start, prompt))
+            trained = self._trained_part(group)
+            self.buffer.append(SampledGroup(group, trained, passed, failures, start, prompt, tools))
         finally:
             self.generating[start] -= 1
             if not self.generating[start]:
@@ -262,7 +271,9 @@ class RolloutPipeline:
             self.round_started -= 1
             self.round_open.set()
 
-    async def _completion(self, prompt: Prompt, prompt_ids: list[int], seed: float) -> tuple[Completion, bool, str]:
+    async def _completion(
+        self, prompt: Prompt, prompt_ids: list[int], seed: float
+    ) -> tuple[Completion, bool, str, ToolStats | None]:
         sample = await self.session.sample(prompt, prompt_ids, random.Random(seed))
         out, result = sample.generated, sample.result
         reward = result.reward
@@ -282,7 +293,7 @@ class RolloutPipeline:
             reward_info={"failure": result.failure} if result.failure else {},
             routed_experts=out.routing,
         )
-        return completion, result.passed, result.failure or ""
+        return completion, result.passed, result.failure or "", sample.tools
 
     # ---------------------------------------------------------------------------------------------
     # Consumer
@@ -335,6 +346,7 @@ class RolloutPipeline:
             task[2] += sum(sampled.passed)
             for failure in sampled.failures:
                 stats.failures[failure] = stats.failures.get(failure, 0) + 1
+            stats.tools += zip(sampled.tools, sampled.passed, strict=False)  # a group's trajectories all have tools
             if sampled.train is not None:
                 groups.append(sampled.train)
         stats.effective_groups = len(groups)
@@ -367,3 +379,30 @@ class RolloutPipeline:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def tool_metrics(trajectories: list[tuple[ToolStats, bool]]) -> dict[str, float]:
+    """A batch's tool use: calls, errors, timeouts, malformed calls, cut responses and limit hits (summed), turns,
+    calls and environment tokens per trajectory, and the pass rate of the trajectories that called a tool and of
+    those that did not (each left out when the batch had none)."""
+    n = len(trajectories)
+    used = [ok for stats, ok in trajectories if stats.used_tools]
+    unused = [ok for stats, ok in trajectories if not stats.used_tools]
+    total = lambda name: float(sum(getattr(stats, name) for stats, _ in trajectories))  # noqa: E731
+    metrics = {
+        "tools/trajectories": float(n),
+        "tools/calls": total("calls"),
+        "tools/errors": total("errors"),
+        "tools/timeouts": total("timeouts"),
+        "tools/malformed": total("malformed"),
+        "tools/truncated": total("truncated"),
+        "tools/limit_hits": total("limit_hits"),
+        "tools/calls_per_trajectory": total("calls") / n,
+        "tools/turns_per_trajectory": total("turns") / n,
+        "tools/environment_tokens": total("environment_tokens") / n,
+    }
+    if used:
+        metrics["tools/pass_rate_with_calls"] = sum(used) / len(used)
+    if unused:
+        metrics["tools/pass_rate_without_calls"] = sum(unused) / len(unused)
+    return metrics

@@ -1,8 +1,10 @@
 """The sampling context: how every completion of a run is sampled and scored, built once at setup.
 
 A `SamplingSession` holds what one sample needs (the engines' generate call, the prompt encoder, the rollout's
-budgets and interruption tokens, the reward workers, and the policy version the engines hold) and its one method,
-`sample`, draws one completion of a prompt and scores it. Training groups (rollout/pipeline.py), validation and the
+budgets and interruption tokens, the reward workers, the tools the run offers, and the policy version the engines
+hold) and its one method, `sample`, draws one completion of a prompt and scores it: a prompt that declares tools is
+sampled as a multi-turn trajectory (rollout/trajectory.py), every other one in one or two requests
+(rollout/interruption.py). Training groups (rollout/pipeline.py), validation and the
 downstream benchmarks (rollout/evaluation.py) and `megatron-rl eval` all sample through it, so a rollout feature
 (length control, a tool, a new budget) is added in one place and reaches them all alike.
 
@@ -22,6 +24,8 @@ from megatron_rl.config import ConfigError, RolloutConfig, SamplingConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.rewards.workers import RewardResult, RewardWorkers
 from megatron_rl.rollout.interruption import Generated, GenerateFn, InterruptionTokens, generate_completion
+from megatron_rl.rollout.tools import Tool
+from megatron_rl.rollout.trajectory import ToolStats, ToolTokens, generate_trajectory
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -63,6 +67,8 @@ class Sample:
 
     generated: Generated
     result: RewardResult
+    tools: ToolStats | None = None
+    """The trajectory's tool use (a prompt with tools), else None."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,10 @@ class SamplingSession:
     tokens: InterruptionTokens
     rewards: RewardWorkers
     version: EngineVersion = dataclasses.field(default_factory=EngineVersion)
+    tools: dict[str, Tool] = dataclasses.field(default_factory=dict)
+    """The tools of `rollout.tools.enabled`, ready to run; a prompt calls those it declares."""
+    tool_ids: ToolTokens | None = None
+    """What trajectories need of the tokenizer (the call's closing token); set when the run offers tools."""
 
     def with_sampling(self, sampling: SamplingConfig) -> SamplingSession:
         """The same session sampling with `sampling` instead of the rollout's (downstream benchmarks: their own
@@ -97,13 +107,20 @@ class SamplingSession:
         return len(prompt_ids) <= self.rollout.max_prompt_tokens
 
     async def sample(self, prompt: Prompt, prompt_ids: list[int], rng: random.Random) -> Sample:
-        """One completion of `prompt` (under the rollout's length control, `rng` drawing its thinking budget),
-        scored by the reward workers on its decoded text."""
-        generated = await generate_completion(
-            self.generate, prompt_ids, self.rollout, self.tokens, rng, lambda: self.version.current
-        )
+        """One completion of `prompt` (under the rollout's length control, `rng` drawing its thinking budget), a
+        multi-turn trajectory when the prompt declares tools, scored by the reward workers on its decoded text."""
+        version = lambda: self.version.current  # noqa: E731
+        stats = None
+        if prompt.tools:
+            assert self.tool_ids is not None, "a run whose prompts declare tools builds its session with tool_ids"
+            tools = {name: self.tools[name] for name in prompt.tools}
+            generated, stats = await generate_trajectory(
+                self.generate, prompt_ids, self.rollout, self.tokens, rng, version, tools, self.tool_ids
+            )
+        else:
+            generated = await generate_completion(self.generate, prompt_ids, self.rollout, self.tokens, rng, version)
         result = await self.rewards.score(self.encoder.decode(generated.tokens), prompt)
-        return Sample(generated, result)
+        return Sample(generated, result, stats)
 
 
 def interruption_tokens(cfg: RolloutConfig, tokenizer: Any) -> InterruptionTokens:

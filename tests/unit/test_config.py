@@ -81,6 +81,8 @@ def test_overrides_are_typed_and_dotted():
         ),
         ("algo.length_penalty.enabled=true", "algo.length_penalty.enabled: length penalty and rollout.interruption"),
         ("data.datasets=[{source: x, task: poetry}]", "data.datasets[0].task: 'poetry' is not one of"),
+        ("data.datasets=[{source: x, tools: [python]}]", "data.datasets[0].tools: ['python'] not in rollout.tools"),
+        ("rollout.tools.max_calls=0", "rollout.tools.max_calls: must be >= 1"),
         ("noequals", "expected the form section.field=value"),
     ],
 )

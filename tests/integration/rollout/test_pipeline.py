@@ -316,3 +316,54 @@ def test_overlong_penalty_applies_to_correct_completions_only(encoder, rewards):
     (group,), _ = asyncio.run(_batch(pipeline))
     soft_start = penalty.max_length - penalty.cache_length
     assert group.rewards == [pytest.approx(1.0 + (soft_start - length) / penalty.cache_length), -1.0]
+
+
+def test_a_prompt_with_tools_is_sampled_as_a_trajectory_and_its_tool_use_counted(tmp_path, rewards):
+    """A prompt that declares the Python tool is sampled through the session as a multi-turn trajectory: the call
+    runs in the sandbox, its response is spliced in loss-masked, the engine's ids are kept, and the batch counts
+    the calls, turns, environment tokens and the pass rate with and without calls."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import ToolsConfig
+    from megatron_rl.data.tokenizer import build_tokenizer
+    from megatron_rl.rollout.tools import build_tools
+    from megatron_rl.rollout.trajectory import tool_tokens
+
+    tok = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    tok.add_special_tokens({"additional_special_tokens": ["</tool_call>"]})  # one token, as in Qwen's vocabulary
+    one_group = _rollout(prompts_per_step=1, generations_per_prompt=2, mode="ppo_off_policy", k=1)  # a round of one
+    cfg = dataclasses.replace(one_group, tools=ToolsConfig(["python"]))
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    call = ids('<tool_call>\n{"name": "python", "arguments": {"code": "print(17 + 25)"}}\n') + ids("</tool_call>")
+    answer, wrong = ids("<think>so</think>\\boxed{42}") + [tok.eos_token_id], ids("\\boxed{41}") + [tok.eos_token_id]
+    first_requests = []
+
+    async def generate(input_ids: list[int], max_new_tokens: int, stop_ids: list[int]) -> Segment:
+        if tool_ids.call_end in input_ids:  # the turn after the tool's response
+            tokens = answer
+        else:  # a first turn: one trajectory calls the tool, the other answers (wrongly) without
+            first_requests.append(len(first_requests))
+            tokens = call if len(first_requests) == 1 else wrong
+        return Segment(tokens, [-0.5] * len(tokens), [0] * len(tokens), "stop")
+
+    tool_ids = tool_tokens(tok, cfg.tools)
+    prompt = Prompt("t1", "math", "What is 17 + 25?", answer="42", tools=("python",))
+    sampler = CurriculumSampler({"math": [prompt]}, {"math": 1.0}, seed=0, no_positive=NoPositiveResampling(None))
+    interruption = InterruptionTokens(tok.convert_tokens_to_ids("</think>"), tok.eos_token_id, [])
+    session = SamplingSession(
+        generate, PromptEncoder(tok), cfg, interruption, rewards, tools=build_tools(["python"]), tool_ids=tool_ids
+    )
+    (group,), stats = asyncio.run(_batch(RolloutPipeline(session, AlgoConfig(), sampler, seed=0)))
+
+    used = next(c for c in group.completions if tool_ids.call_end in c.tokens)
+    plain = next(c for c in group.completions if tool_ids.call_end not in c.tokens)
+    response = used.tokens[len(call) : len(used.tokens) - len(answer)]
+    assert used.tokens[: len(call)] == call and used.tokens[-len(answer) :] == answer  # the engine's ids, as sampled
+    assert "42" in tok.decode(response) and "<tool_response>" in tok.decode(response)
+    assert used.loss_mask == [True] * len(call) + [False] * len(response) + [True] * len(answer)
+    assert used.gen_logprobs == [-0.5] * len(call) + [0.0] * len(response) + [-0.5] * len(answer)
+    assert (used.reward, plain.reward, plain.tokens) == (1.0, -1.0, wrong)
+    metrics = stats.as_metrics()
+    assert metrics["tools/trajectories"] == 2 and metrics["tools/calls"] == 1 and metrics["tools/errors"] == 0
+    assert metrics["tools/turns_per_trajectory"] == 1.5 and metrics["tools/environment_tokens"] == len(response) / 2
+    assert metrics["tools/pass_rate_with_calls"] == 1.0 and metrics["tools/pass_rate_without_calls"] == 0.0

@@ -203,3 +203,16 @@ def test_sampler_all_retired_is_a_clear_error():
         sampler.no_positive.update(p.id, [True])
     with pytest.raises(RuntimeError, match="every prompt of s is retired"):
         sampler.next_prompt()
+
+
+def test_a_row_and_its_dataset_declare_the_tools_its_prompt_may_call(tmp_path):
+    rows = [{"prompt": "1+1?", "answer": "2", "tools": ["python"]}, {"prompt": "2+2?", "answer": "4"}]
+    path = _write(tmp_path, rows)
+    plain = load_splits(DataConfig(datasets=[DatasetConfig(source=path)], val_prompts=0))
+    assert sorted(p.tools for p in plain.train[path]) == [(), ("python",)]
+    offered = load_splits(DataConfig(datasets=[DatasetConfig(source=path, tools=["python"])], val_prompts=0))
+    assert [p.tools for p in offered.train[path]] == [("python",), ("python",)]  # the dataset's, each named once
+    assert plain.fingerprints() == plain.fingerprints() != offered.fingerprints()  # what a prompt may call is data
+    bad = _write(tmp_path, [{"prompt": "1+1?", "answer": "2", "tools": [3]}], "bad.jsonl")
+    with pytest.raises(DatasetError, match=r"bad.jsonl: row 1: field 'tools' must be a list of tool names"):
+        load_prompts(DatasetConfig(source=bad), "error")
