@@ -138,14 +138,40 @@ SMALL = " ".join(
 
 @pytest.mark.slow
 @pytest.mark.run
-def test_sbatch_runs_the_recipe_to_completion(tmp_path, slurm):
-    job = _submit(tmp_path, "done", f"total_steps=3 {SMALL}")
-    state, _ = _wait(job, lambda s, r: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
-    assert state == "COMPLETED", _logs(tmp_path, "done")[-4000:]
-    steps = [r["step"] for r in _rows(tmp_path, "done") if "train/loss" in r]
-    assert steps == [1, 2, 3]
-    assert (tmp_path / "runs" / "done" / "checkpoints" / "latest").read_text() == "step_00000003"
-    assert "Ray cluster up" in _logs(tmp_path, "done")
+def test_sbatch_runs_the_recipe_to_completion_and_stops_only_its_own_processes(tmp_path, slurm):
+    """A job runs the recipe to completion (every step logged, the last checkpointed), beside another user's Ray on
+    the node, which survives the whole job (the bootstrap used to `ray stop --force`, which ends every Ray on the
+    node); and a process named like a Slurm daemon survives the tooling's stop (it used to pkill by name), while the
+    daemons the tooling started, munged included when it started it, are gone."""
+    decoy = tmp_path / "slurmd"
+    shutil.copy("/bin/sleep", decoy)
+    bystander = subprocess.Popen([str(decoy), "900"])
+    other_port = 7100 + os.getpid() % 800
+    other_ray = subprocess.Popen(
+        [str(VENV_BIN / "ray"), "start", "--head", f"--port={other_port}", "--num-cpus=1", "--block",
+         "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        job = _submit(tmp_path, "done", f"total_steps=3 {SMALL}")
+        state, _ = _wait(job, lambda s, r: s in ENDED)
+        assert state == "COMPLETED", _logs(tmp_path, "done")[-4000:]
+        steps = [r["step"] for r in _rows(tmp_path, "done") if "train/loss" in r]
+        assert steps == [1, 2, 3]
+        assert (tmp_path / "runs" / "done" / "checkpoints" / "latest").read_text() == "step_00000003"
+        assert "Ray cluster up" in _logs(tmp_path, "done")
+        time.sleep(5)
+        assert other_ray.poll() is None, "the job's shutdown ended another Ray on the node"
+        started = {d: (Path("/var/spool/megatron_rl_slurm") / f"{d}.pid").read_text().strip() for d in ("slurmd",)}
+        subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "stop"], check=True, capture_output=True)
+        assert bystander.poll() is None, "the tooling's stop ended a process it did not start"
+        assert not Path(f"/proc/{started['slurmd']}").exists()
+        assert not any(Path("/var/spool/megatron_rl_slurm").glob("*.pid"))
+    finally:
+        bystander.kill()
+        os.killpg(other_ray.pid, signal.SIGTERM)
+        other_ray.wait(timeout=60)
+        subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "start"], capture_output=True)
 
 
 @pytest.mark.slow
@@ -173,39 +199,6 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path, slurm):
     assert rows[len(first)] == first[-1] + 1
     assert "resumed from" in _logs(tmp_path, "requeue")
     _sh(f"scancel {job}")
-
-
-@pytest.mark.slow
-@pytest.mark.run
-def test_a_job_and_the_tooling_stop_only_their_own_processes(tmp_path, slurm):
-    """Another user's Ray on the node survives a whole job (the bootstrap used to `ray stop --force`, which ends
-    every Ray on the node), and a process named like a Slurm daemon survives the tooling's stop (it used to
-    pkill by name); the daemons the tooling started, munged included when it started it, are gone."""
-    decoy = tmp_path / "slurmd"
-    shutil.copy("/bin/sleep", decoy)
-    bystander = subprocess.Popen([str(decoy), "900"])
-    other_port = 7100 + os.getpid() % 800
-    other_ray = subprocess.Popen(
-        [str(VENV_BIN / "ray"), "start", "--head", f"--port={other_port}", "--num-cpus=1", "--block",
-         "--include-dashboard=false", "--disable-usage-stats"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
-    try:
-        job = _submit(tmp_path, "scoped", f"total_steps=1 {SMALL}")
-        state, _ = _wait(job, lambda s, r: s in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"))
-        assert state == "COMPLETED", _logs(tmp_path, "scoped")[-4000:]
-        time.sleep(5)
-        assert other_ray.poll() is None, "the job's shutdown ended another Ray on the node"
-        started = {d: (Path("/var/spool/megatron_rl_slurm") / f"{d}.pid").read_text().strip() for d in ("slurmd",)}
-        subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "stop"], check=True, capture_output=True)
-        assert bystander.poll() is None, "the tooling's stop ended a process it did not start"
-        assert not Path(f"/proc/{started['slurmd']}").exists()
-        assert not any(Path("/var/spool/megatron_rl_slurm").glob("*.pid"))
-    finally:
-        bystander.kill()
-        os.killpg(other_ray.pid, signal.SIGTERM)
-        other_ray.wait(timeout=60)
-        subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "start"], capture_output=True)
 
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
