@@ -1,4 +1,4 @@
-"""The README's scaling figure (docs/scaling_example.png), made by `megatron-rl fit` from synthetic runs.
+"""The scaling figure of docs/guide.md §10 (docs/scaling_example.png), made by `megatron-rl fit` from synthetic runs.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_scaling_example.py [--out docs/scaling_example.png] [--keep DIR]
 

@@ -6,7 +6,7 @@
 #
 # MODEL_PATH: the Hugging Face checkpoint RL starts from (model.hf_path), on a file system every node sees.
 #
-# Site set-up (modules, container, venv): export MRL_SETUP=/path/to/setup.sh before sbatch (see README).
+# Site set-up (modules, container, venv): export MRL_SETUP=/path/to/setup.sh before sbatch (see docs/guide.md §1).
 #SBATCH --job-name=scalerl-dense
 #SBATCH --nodes=10
 #SBATCH --ntasks-per-node=1

@@ -10,7 +10,7 @@
 #
 # MODEL_PATH: the Hugging Face checkpoint RL starts from (model.hf_path), on a file system every node sees.
 #
-# Site set-up (modules, container, venv): export MRL_SETUP=/path/to/setup.sh before sbatch (see README).
+# Site set-up (modules, container, venv): export MRL_SETUP=/path/to/setup.sh before sbatch (see docs/guide.md §1).
 #SBATCH --job-name=scalerl-moe
 #SBATCH --nodes=16
 #SBATCH --ntasks-per-node=1

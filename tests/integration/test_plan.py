@@ -187,7 +187,7 @@ def test_a_kv_pool_short_of_the_sequences_in_flight_warns_but_fits():
 
 
 OFFLOAD_HALF = ["trainer.optimizer.cpu_offload=true", "trainer.optimizer.offload_fraction=0.5"]
-LONG_CONTEXT = {  # README "Long contexts": every row fits with a tenth of the device free
+LONG_CONTEXT = {  # docs/guide.md §1, "Long contexts": every row fits with a tenth of the device free
     "llama3_8b_32k": ("--recipe", "scalerl-32k", "--model", "llama3_8b"),
     "scout_32k": ("--recipe", "scalerl-32k", "--model", "llama4_scout_17bx16e", *OFFLOAD_HALF),
     "scout_64k": ("--recipe", "scalerl-64k", "--model", "llama4_scout_17bx16e", *OFFLOAD_HALF),
