@@ -1,8 +1,6 @@
 """Config loading, overrides, validation messages, and the no-heavy-imports rule."""
 
 import dataclasses
-import subprocess
-import sys
 
 import pytest
 
@@ -166,25 +164,6 @@ def test_gpu_kernels_follow_transformer_engine_unless_forced(monkeypatch):
     run = load_config("scalerl-cpu", "tiny_moe", ["trainer.performance.apply_rope_fusion=false"])
     model.transformer_config(run.model, run.parallel, run.trainer)
     assert {name: handed.get(name) for name in names} == {**gpu, "apply_rope_fusion": False}
-
-
-def _column_parallel_linear(gradient_accumulation_fusion: bool) -> None:
-    """megatron's ColumnParallelLinear (GPTModel's output layer under every layer spec), built on CPU in a fresh
-    process (megatron's parallel state is process-global) as rank 0 of one under the fake backend."""
-    script = f"""
-import torch, torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
-dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
-from megatron.core import parallel_state
-from megatron.core.model_parallel_config import ModelParallelConfig
-from megatron.core.tensor_parallel.layers import ColumnParallelLinear
-parallel_state.initialize_model_parallel(1, 1, create_gloo_process_groups=False)
-config = ModelParallelConfig(gradient_accumulation_fusion={gradient_accumulation_fusion}, use_cpu_initialization=True)
-ColumnParallelLinear(8, 16, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False)
-"""
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    if done.returncode:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize(("recipe", "model_name"), [("scalerl", "llama3_8b"), ("scalerl-cpu", "cpu_demo")])

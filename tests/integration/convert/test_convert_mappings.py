@@ -2,40 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 
-from megatron_rl.config import load_config
 from megatron_rl.convert.hf_files import HFReader
 from megatron_rl.models import (
     HFMapper,
     from_hf,
 )
-from megatron_rl.models.tiny import build_tiny_model
 
-FAMILY_MODELS = {
-    "llama": ("tiny_dense", ["model.rope_scaling_factor=8.0", "model.rope_original_max_position=256"]),
-    "qwen3_tied": ("tiny_qwen3", []),
-    "qwen3_untied": ("tiny_qwen3", ["model.tie_word_embeddings=false"]),
-    "qwen3_moe": ("tiny_moe", []),
-    "llama4": ("tiny_llama4", ["model.rope_scaling_factor=16.0", "model.rope_high_freq_factor=1.0"]),
-    # every 2nd layer MoE (Maverick's interleave_moe_layer_step, Qwen3-MoE's decoder_sparse_step): layer 0 dense
-    "llama4_interleaved": ("tiny_llama4", ["model.moe.layer_freq=2"]),
-    "qwen3_moe_interleaved": ("tiny_moe", ["model.moe.layer_freq=2"]),
-}
-
-
-def model_cfg(key: str):
-    name, overrides = FAMILY_MODELS[key]
-    return load_config("scalerl-cpu", name, overrides).model
-
-
-@pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("hf")
-    return {key: build_tiny_model(root / key, model_cfg(key), seed=5, std=0.08) for key in FAMILY_MODELS}
+# The tiny family variants and their checkpoints, as the unit tests of the mappings build them.
+_spec = importlib.util.spec_from_file_location(
+    "unit_convert_mappings", Path(__file__).parents[2] / "unit" / "convert" / "test_convert_mappings.py"
+)
+_unit = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_unit)
+FAMILY_MODELS, model_cfg, hf_dirs = _unit.FAMILY_MODELS, _unit.model_cfg, _unit.hf_dirs
 
 
 @pytest.mark.parametrize("key", ["llama4", "llama4_interleaved"])
