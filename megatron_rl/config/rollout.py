@@ -201,12 +201,18 @@ class RolloutConfig:
         return self.interruption.max_thinking_tokens + self.answer_tokens
 
     @property
+    def environment_tokens(self) -> int:
+        """Tool-response tokens one trajectory can hold beyond its policy's budgets (0 without tools)."""
+        return self.tools.max_environment_tokens if self.tools.enabled else 0
+
+    @property
     def context_length(self) -> int:
         """Tokens one sequence can reach: prompt, thinking, the interruption phrase (at most
-        `PHRASE_TOKEN_ALLOWANCE`, checked against the tokenizer at start) and answer. The engines are started with
-        it (SGLang's --context-length: it sizes each request's row of its request-to-token table from it)."""
+        `PHRASE_TOKEN_ALLOWANCE`, checked against the tokenizer at start), answer and, with tools, their responses.
+        The engines are started with it (SGLang's --context-length: it sizes each request's row of its
+        request-to-token table from it)."""
         phrase = PHRASE_TOKEN_ALLOWANCE if self.interruption.enabled else 0
-        return self.max_prompt_tokens + self.max_completion_tokens + phrase
+        return self.max_prompt_tokens + self.max_completion_tokens + phrase + self.environment_tokens
 
     def check_phrase(self, phrase_tokens: int) -> None:
         if self.interruption.enabled and phrase_tokens > PHRASE_TOKEN_ALLOWANCE:

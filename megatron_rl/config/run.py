@@ -253,21 +253,23 @@ class RunConfig:
 
     def check_row_budget(self, phrase_tokens: int) -> None:
         """The longest sequence a rollout can make, padded for sequence parallel, must fit one micro-batch row:
-        max_prompt_tokens + max_thinking_tokens + the interruption phrase + answer_tokens. The config check
-        counts the phrase as 0 tokens; the driver checks again with the tokenizer's count."""
+        max_prompt_tokens + max_thinking_tokens + the interruption phrase + answer_tokens, and with tools the
+        trajectory's tool responses (rollout.tools.max_environment_tokens). The config check counts the phrase as 0
+        tokens; the driver checks again with the tokenizer's count."""
         r, p = self.rollout, self.parallel
-        longest = r.max_prompt_tokens + r.interruption.max_thinking_tokens + r.answer_tokens
+        longest = r.max_prompt_tokens + r.interruption.max_thinking_tokens + r.answer_tokens + r.environment_tokens
         longest += phrase_tokens if r.interruption.enabled else 0
         padded = p.padded_row([longest])
         if self.trainer.micro_batch_tokens < padded:
             phrase = f" + {phrase_tokens} phrase tokens" if phrase_tokens else ""
+            tools = " + rollout.tools.max_environment_tokens" if r.environment_tokens else ""
             rule = f"a multiple of {p.pad_multiple}"
             if p.cp > 1:
                 rule = f"2 x cp = {p.seq_pad_multiple} chunks per sequence (parallel.cp={p.cp}), rows {rule}"
             fail(
                 "trainer.micro_batch_tokens",
                 f"{self.trainer.micro_batch_tokens} cannot hold the longest sequence a rollout makes: "
-                f"max_prompt_tokens + max_thinking_tokens + answer_tokens{phrase} = {longest} tokens "
+                f"max_prompt_tokens + max_thinking_tokens + answer_tokens{tools}{phrase} = {longest} tokens "
                 f"({padded} padded to {rule})" + ("" if phrase_tokens else ", plus the interruption phrase"),
             )
 

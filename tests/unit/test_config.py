@@ -81,6 +81,11 @@ def test_overrides_are_typed_and_dotted():
         ("data.datasets=[{source: x, task: poetry}]", "data.datasets[0].task: 'poetry' is not one of"),
         ("data.datasets=[{source: x, tools: [python]}]", "data.datasets[0].tools: ['python'] not in rollout.tools"),
         ("rollout.tools.max_calls=0", "rollout.tools.max_calls: must be >= 1"),
+        (
+            "rollout.tools.enabled=[python]",
+            "trainer.micro_batch_tokens: 16512 cannot hold the longest sequence a rollout makes: max_prompt_tokens "
+            "+ max_thinking_tokens + answer_tokens + rollout.tools.max_environment_tokens = 17408 tokens",
+        ),
         ("noequals", "expected the form section.field=value"),
     ],
 )
