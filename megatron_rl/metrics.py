@@ -59,6 +59,8 @@ CONSOLE_FIELDS = [
     ("train/routing_replayed", "replayed", "{:.1%}"),
     ("train/staleness_mean", "stale", "{:.2f}"),
     ("train/effective_groups", "groups", "{:.0f}"),
+    ("tools/calls_per_trajectory", "calls", "{:.2f}"),  # runs whose prompts call tools
+    ("tools/errors", "tool-err", "{:.0f}"),
     ("time/step_s", "s", "{:.1f}"),
     ("device_hours", "dev-h", "{:.4f}"),
 ]
