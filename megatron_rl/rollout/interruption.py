@@ -112,7 +112,7 @@ async def generate_completion(
     if ids.end_of_thinking in thinking:  # the model closed its thinking in budget; what follows is its answer
         end = thinking.index(ids.end_of_thinking) + 1 + cfg.answer_tokens
         if len(first.tokens) > end or len(first.tokens) == end and first.finish == "length":
-            out.extend(_head(first, end, "length"))  # the answer budget ran out inside this request: cut there
+            out.extend(cut_segment(first, end, "length"))  # the answer budget ran out inside this request: cut there
             out.finish_reason = "length"
             return out
         out.extend(first)
@@ -129,7 +129,7 @@ async def generate_completion(
         out.finish_reason = first.finish
         return out
     # the budget ran out while thinking: cut there (what came after is dropped) and interrupt
-    out.extend(_head(first, budget, "length"))
+    out.extend(cut_segment(first, budget, "length"))
     out.inject(ids.phrase, current_version())
     answer = await generate(prompt_ids + out.tokens, cfg.answer_tokens, [ids.eos])
     out.extend(answer)
@@ -137,7 +137,7 @@ async def generate_completion(
     return out
 
 
-def _head(segment: Segment, n: int, finish: Literal["stop", "length", "abort"]) -> Segment:
+def cut_segment(segment: Segment, n: int, finish: Literal["stop", "length", "abort"]) -> Segment:
     """The first `n` tokens of `segment` as if the engine had stopped there."""
     cut = len(segment.tokens) - n  # the routing record loses the rows of the tokens cut off
     routing = segment.routing[: len(segment.routing) - cut] if segment.routing is not None else None

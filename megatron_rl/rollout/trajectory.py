@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from megatron_rl.config import RolloutConfig, ToolsConfig
 from megatron_rl.rewards.sandbox import SandboxUnavailable
-from megatron_rl.rollout.interruption import Generated, GenerateFn, InterruptionTokens, _head
+from megatron_rl.rollout.interruption import Generated, GenerateFn, InterruptionTokens, cut_segment
 from megatron_rl.rollout.tools import Call, Tool, ToolResult, bounded, parse_call
 
 
@@ -119,7 +119,7 @@ async def generate_trajectory(
             thinking = False
             answer = len(segment.tokens) - close
             if answer > answer_left:
-                out.extend(_head(segment, close + answer_left, "length"))
+                out.extend(cut_segment(segment, close + answer_left, "length"))
                 out.finish_reason = "length"
                 return out, stats
             answer_left -= answer
