@@ -57,6 +57,9 @@ ClusterName=megatron_rl
 SlurmctldHost=$host(127.0.0.1)
 SlurmUser=root
 AuthType=auth/munge
+# A requeued job waits cred_expire s before it may start again (default 120): 20 s keeps the requeue test short
+# while still far above a step launch here.
+AuthInfo=cred_expire=20
 StateSaveLocation=$STATE/ctld
 SlurmdSpoolDir=$STATE/d
 SlurmctldPidFile=$STATE/slurmctld.pid
