@@ -11,6 +11,7 @@
     megatron-rl train --recipe R [--model M] [k=v]   run (or resume) a ScaleRL training run
                       [--fork RUN]                   a new run from the weights of RUN's latest checkpoint
     megatron-rl fit RUNS.jsonl ... [options]         fit / predict / compare scaling curves
+    megatron-rl sweep SWEEP.yaml [--dir DIR]         a grid of runs, fitted live, losers stopped (docs/sweeps.md)
     megatron-rl eval --checkpoint DIR [--start] [--benchmarks aime24,math500,...]
                                                      downstream benchmarks of a checkpoint (and its start)
     megatron-rl convert --from-hf | --to-hf ...      Hugging Face <-> Megatron checkpoints
@@ -302,6 +303,7 @@ def _delegate(module: str) -> Callable[[list[str]], int]:
 
 DELEGATED: dict[str, tuple[str, str]] = {
     "fit": ("megatron_rl.scaling.cli", "fit, predict and compare sigmoidal compute-performance curves"),
+    "sweep": ("megatron_rl.scaling.sweep_cli", "launch a grid of runs, fit each live, stop the ones that will lose"),
     "convert": ("megatron_rl.convert.cli", "convert checkpoints between Hugging Face and Megatron"),
     "eval": ("megatron_rl.orchestration.evaluate", "downstream benchmarks (AIME, MATH-500, ...) of a checkpoint"),
 }

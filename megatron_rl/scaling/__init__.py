@@ -11,6 +11,8 @@ numpy, scipy and matplotlib only (never torch), so it runs anywhere the metrics 
     live.py           the predicted asymptote logged at each evaluation of a training run
     synthetic.py      curves from the paper's Table 1 for tests, benchmarks and the docs figure
     cli.py            `megatron-rl fit`
+    sweep.py          a grid of runs fitted live, the stopping rule, the sweep's state (sweep_cli.py: `megatron-rl
+                      sweep`; launchers.py: local processes or Slurm jobs; sweep_report.py: the comparison at the end)
 """
 
 from megatron_rl.scaling.bootstrap import Bootstrap, bootstrap
