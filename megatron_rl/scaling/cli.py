@@ -43,7 +43,15 @@ from megatron_rl.scaling.compare import (
     table,
 )
 from megatron_rl.scaling.curves import Curve, label_for, load_curves, pool_runs, sort_key
-from megatron_rl.scaling.decision import Crossover, Difference, crossovers, decide, decision_table
+from megatron_rl.scaling.decision import (
+    Crossover,
+    Decision,
+    Difference,
+    crossovers,
+    decide,
+    decide_pairs,
+    decision_table,
+)
 from megatron_rl.scaling.fit import METHODS, PAPER_A_GRID, PAPER_C_MID_GRID, FitError
 
 
@@ -87,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-col", default="step", help="step column (duplicate steps: the last row wins)")
     p.add_argument("--r0", type=float, default=None, help="R0 (default: the first evaluation of each run)")
     p.add_argument("--compare", action="store_true", help="the paper's rule: shared A within --margin, compare B")
-    p.add_argument("--margin", type=float, default=0.02, help="A's closer than this are the same (paper: 0.02)")
+    p.add_argument(
+        "--margin",
+        type=float,
+        default=0.02,
+        help="run-to-run margin (paper: 0.02): --compare treats A's closer than this as the same; the decision "
+        "between runs models two single runs of one recipe as differing by less than this 90%% of the time",
+    )
     p.add_argument(
         "--extrapolate-from", default=None, metavar="C|half", help="fit up to compute C (or half of each run)"
     )
@@ -279,14 +293,19 @@ def _payload(results: list[Result], args: argparse.Namespace, shared: list) -> d
     }
 
 
-def _decision(results: list[Result], args: argparse.Namespace) -> tuple[list[Difference], list[Crossover]]:
-    """Every pair of fitted curves at each --predict-at, and where they cross (scaling/decision.py)."""
+def _decision(
+    results: list[Result], args: argparse.Namespace
+) -> tuple[list[Difference], list[Crossover], list[Decision]]:
+    """Every pair of fitted curves at each --predict-at, where the fitted curves cross, and the decision
+    (winner / undecided / crossover) at each --predict-at, else at the end of the range (scaling/decision.py)."""
     if args.crossover_range:
         span = (args.crossover_range[0], args.crossover_range[1])
     else:
         first = min(float(r.curve.compute[r.curve.compute > 0].min()) for r in results)
         span = (first, max([float(r.curve.compute.max()) for r in results] + args.predict_at))
-    return decide(results, args.predict_at), crossovers(results, span)
+    start = args.crossover_range[0] if args.crossover_range else None
+    decisions = decide_pairs(results, args.predict_at or [span[1]], args.level, args.margin, start)
+    return decide(results, args.predict_at), crossovers(results, span), decisions
 
 
 def _comparable(results: list[Result]) -> bool:
@@ -317,6 +336,8 @@ def _check_args(args: argparse.Namespace) -> str | None:
         return f"--level must be in (0, 1), got {args.level}"
     if args.bootstrap < 0:
         return f"--bootstrap must be >= 0, got {args.bootstrap}"
+    if not args.margin >= 0:
+        return f"--margin must be >= 0, got {args.margin}"
     if args.compute_scale <= 0:
         return f"--compute-scale must be > 0, got {args.compute_scale}"
     if args.crossover_range and not 0 < args.crossover_range[0] < args.crossover_range[1]:
@@ -353,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     decision = _decision(results, args) if _comparable(results) and args.bootstrap else None
     if decision is not None:
         print()
-        print(decision_table(decision[0], decision[1], args.level))
+        print(decision_table(decision[0], decision[2], args.level, args.margin))
     if compare:
         print()
         print(shared_table(shared, args.margin))
@@ -387,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             axis=args.axis,
             efficiency_fits={r.curve.label: f for g in shared for r, f in zip(g.results, g.refits, strict=True)},
             unfitted=[curve for curve, _ in failed],
-            crossovers=decision[1] if decision is not None else None,
+            crossovers=decision[2] if decision is not None else None,
         )
         print("wrote " + ", ".join(map(str, written)))
     if args.json:
@@ -398,6 +419,7 @@ def main(argv: list[str] | None = None) -> int:
                 "intervals": "joint bootstrap of the fitted curves (expected R at the compute, not a new evaluation)",
                 "differences": [d.as_dict() for d in decision[0]],
                 "crossovers": [c.as_dict() for c in decision[1]],
+                "verdicts": [d.as_dict() for d in decision[2]],
             }
         Path(args.json).write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")

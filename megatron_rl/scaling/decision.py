@@ -30,14 +30,25 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import combinations
+from typing import Literal
 
 import numpy as np
+from scipy.stats import norm
 
 from megatron_rl.scaling.compare import Result
 from megatron_rl.scaling.fit import Array, FitError
 
 GRID_POINTS = 512
 """Log-spaced grid points over the crossover range."""
+DECISION_GRID_POINTS = 256
+"""Log-spaced grid points from the start of the data to the target, where `decide_pair` tests the ordering."""
+MARGIN = 0.02
+"""Two runs of one recipe differ in expected pass rate by less than this 90% of the time (the paper: three
+repeated runs gave A within +/-0.015; it treats A's within 0.02 as the same)."""
+MARGIN_COVERAGE = 0.9
+"""The share of pairs of runs of one recipe that `margin` bounds."""
+
+Verdict = Literal["winner", "undecided", "crossover"]
 
 
 @dataclass
@@ -194,8 +205,169 @@ def crossovers(results: list[Result], compute_range: tuple[float, float]) -> lis
     return [crossover(a, b, compute_range) for a, b in combinations(results, 2)]
 
 
-def decision_table(differences: list[Difference], crosses: list[Crossover], level: float) -> str:
-    """Plain text: per compute, each pair's difference and P(ahead); then the crossovers."""
+@dataclass
+class Decision:
+    """The three-way answer for runs a and b at a target compute (`decide_pair`; module docstring)."""
+
+    a: str
+    b: str
+    target: float
+    verdict: Verdict
+    """winner: `leader` ahead at the target; crossover: `leader` ahead at the target and the other ahead
+    earlier, both at the confidence; undecided: the data cannot tell at the target."""
+    leader: str | None
+    """The run ahead at the target (None when undecided)."""
+    confidence: float
+    margin: float
+    """The run-to-run margin the decision was made with (0 when both sides pool repeated runs)."""
+    run_sd: float
+    """Standard deviation of the run-to-run term added to R_a - R_b (from `margin`; 0 when not applied)."""
+    diff: float
+    """R_a - R_b of the fitted curves at the target."""
+    interval: tuple[float, float]
+    """Interval of R_a - R_b at the target at `confidence`: the joint bootstrap plus the run-to-run term."""
+    p_a_ahead: float
+    extrapolated: bool
+    """The target lies beyond the last evaluation of either run."""
+    start: float
+    """Where the ordering was first tested (the later of the two runs' first fitted evaluation)."""
+    other_ahead_at: float | None = None
+    """Crossover only: the largest compute before C* where the other run is ahead at the confidence."""
+    crossover: float | None = None
+    """Crossover only: C*, the last compute before the target where the fitted curves change order."""
+    crossover_interval: tuple[float, float] | None = None
+    """Percentile interval of C* over the draws; -inf: below `start`, +inf: beyond the target."""
+
+    def describe(self) -> str:
+        where = f"at {_c(self.target)}" + (" (extrapolated)" if self.extrapolated else "")
+        level = f"{self.confidence:.0%}"
+        lo, hi = self.interval
+        if self.leader is None:
+            return (
+                f"{where}: {self.a} vs {self.b} undecided: {self.a} - {self.b} = {self.diff:+.3f} "
+                f"[{lo:+.3f}, {hi:+.3f}] ({level}) includes 0; a winner needs that interval clear of 0"
+            )
+        sign = 1.0 if self.leader == self.a else -1.0
+        other = self.b if self.leader == self.a else self.a
+        lead, (l_lo, l_hi) = sign * self.diff, sorted((sign * lo, sign * hi))
+        by = f"by {lead:.3f} [{l_lo:.3f}, {l_hi:.3f}] ({level})"
+        if self.verdict == "winner":
+            return f"{where}: {self.leader} ahead of {other} {by}"
+        assert self.crossover is not None and self.crossover_interval is not None and self.other_ahead_at is not None
+        c_lo, c_hi = self.crossover_interval
+        lo_text = f"< {_c(self.start)}" if c_lo == -math.inf else _c(c_lo)
+        hi_text = f"> {_c(self.target)}" if c_hi == math.inf else _c(c_hi)
+        return (
+            f"{self.leader} overtakes {other} at {_c(self.crossover)} [{lo_text}, {hi_text}] ({level}): "
+            f"{other} ahead at {_c(self.other_ahead_at)}, {self.leader} ahead {where} {by}"
+        )
+
+    def as_dict(self) -> dict[str, object]:
+        out: dict[str, object] = {
+            "a": self.a, "b": self.b, "target": self.target, "verdict": self.verdict, "leader": self.leader,
+            "confidence": self.confidence, "margin": self.margin, "run_sd": self.run_sd, "diff": self.diff,
+            "lo": self.interval[0], "hi": self.interval[1], "p_a_ahead": self.p_a_ahead,
+            "extrapolated": self.extrapolated, "start": self.start, "other_ahead_at": self.other_ahead_at,
+            "crossover": self.crossover,
+        }  # fmt: skip
+        if self.crossover_interval is not None:  # JSON has no infinity: an open end is null
+            lo, hi = self.crossover_interval
+            out["crossover_lo"] = None if math.isinf(lo) else lo
+            out["crossover_hi"] = None if math.isinf(hi) else hi
+        out["text"] = self.describe()
+        return out
+
+
+def run_sd(margin: float) -> float:
+    """Standard deviation of one run's expected pass rate around its recipe's, such that two runs of one
+    recipe differ by less than `margin` with probability `MARGIN_COVERAGE`: margin / (z sqrt(2))."""
+    return margin / (float(norm.ppf((1 + MARGIN_COVERAGE) / 2)) * math.sqrt(2))
+
+
+def _first_fitted(result: Result) -> float:
+    points = result.fit.points
+    compute = points.compute if points is not None else result.curve.compute[result.curve.compute > 0]
+    return float(compute.min())
+
+
+def decide_pair(
+    a: Result,
+    b: Result,
+    target: float,
+    confidence: float = 0.9,
+    margin: float = MARGIN,
+    start: float | None = None,
+) -> Decision:
+    """winner / undecided / crossover for runs (or pooled groups of runs) a and b at compute `target`, with
+    the ordering tested from `start` (default: where both runs have fitted evaluations) to the target.
+
+    The difference R_a - R_b is drawn from the joint bootstrap (refit i of a against refit i of b) plus a
+    run-to-run term of sd `run_sd(margin)` for each side that is a single run (module docstring). With
+    `margin=0` the decision rests on the bootstrap alone."""
+    if not 0 < confidence < 1:
+        raise FitError(f"confidence must be in (0, 1), got {confidence}")
+    if margin < 0 or not math.isfinite(margin):
+        raise FitError(f"margin must be a finite number >= 0, got {margin}")
+    if not target > 0:
+        raise FitError(f"target compute must be > 0, got {target:g}")
+    first = max(_first_fitted(a), _first_fitted(b)) if start is None else start
+    if not first > 0:
+        raise FitError(f"start compute must be > 0, got {first:g}")
+    logc = np.linspace(math.log(first), math.log(target), DECISION_GRID_POINTS) if first < target else None
+    c = np.exp(logc) if logc is not None else np.array([target])
+    draws_a, draws_b = _draws(a, c), _draws(b, c)
+    n = min(draws_a.shape[0], draws_b.shape[0])
+    singles = sum(r.boot is not None and r.boot.runs < 2 for r in (a, b))
+    sd = run_sd(margin) * math.sqrt(singles)
+    # The run-to-run term shifts a draw's whole difference curve: stratified normal scores (no Monte Carlo
+    # noise of their own), in a fixed random order so that they pair with the refits at random.
+    scores = norm.ppf((np.arange(n) + 0.5) / n)
+    draws = draws_a[:n] - draws_b[:n] + sd * np.random.default_rng(0).permutation(scores)[:, None]
+    lo, hi = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], axis=0)
+    fitted = a.fit.predict(c) - b.fit.predict(c)
+    last = min(float(a.curve.compute.max()), float(b.curve.compute.max()))
+    decision = Decision(
+        a.curve.label, b.curve.label, target, "undecided", None, confidence, margin if singles else 0.0, sd,
+        float(fitted[-1]), (float(lo[-1]), float(hi[-1])), float(np.mean(draws[:, -1] > 0)), target > last,
+        float(c[0]),
+    )  # fmt: skip
+    if lo[-1] <= 0 <= hi[-1]:
+        return decision
+    sign = 1.0 if lo[-1] > 0 else -1.0
+    decision.verdict, decision.leader = "winner", (decision.a if sign > 0 else decision.b)
+    other_ahead = np.flatnonzero(hi < 0 if sign > 0 else lo > 0)
+    if logc is None or other_ahead.size == 0:
+        return decision
+    # The other run is ahead earlier, at the confidence: C* is where the fitted curves last change order.
+    lead = sign * draws
+    d_at, d_has = last_crossing(logc, lead)
+    placed = np.where(d_has, np.exp(np.where(d_has, d_at, 0.0)), np.where(lead[:, -1] > 0, -math.inf, math.inf))
+    c_lo, c_hi = np.quantile(placed, [(1 - confidence) / 2, (1 + confidence) / 2], method="inverted_cdf")
+    at, has = last_crossing(logc, sign * fitted[None, :])
+    finite = placed[np.isfinite(placed)]
+    if not has[0] and finite.size == 0:  # no draw changes order: the early lead is not a crossing
+        return decision
+    decision.verdict = "crossover"
+    decision.other_ahead_at = float(c[other_ahead[-1]])
+    decision.crossover = float(math.exp(at[0])) if has[0] else float(np.median(finite))
+    decision.crossover_interval = (float(c_lo), float(c_hi))
+    return decision
+
+
+def decide_pairs(
+    results: list[Result],
+    targets: list[float],
+    confidence: float = 0.9,
+    margin: float = MARGIN,
+    start: float | None = None,
+) -> list[Decision]:
+    """Every pair of runs at every target."""
+    return [decide_pair(a, b, t, confidence, margin, start) for t in targets for a, b in combinations(results, 2)]
+
+
+def decision_table(differences: list[Difference], decisions: list[Decision], level: float, margin: float) -> str:
+    """Plain text: per compute, each pair's difference and P(ahead) by the bootstrap alone; then each pair's
+    decision (winner / undecided / crossover), which adds the run-to-run term."""
     lines = []
     for d in differences:
         where = " (extrapolated)" if d.extrapolated else ""
@@ -204,9 +376,15 @@ def decision_table(differences: list[Difference], crosses: list[Crossover], leve
             f"at {_c(d.compute)}{where}: {d.a} {d.R_a:.3f} vs {d.b} {d.R_b:.3f}: difference {d.diff:+.3f} "
             f"[{d.interval[0]:+.3f}, {d.interval[1]:+.3f}], {ahead}"
         )
-    lines += [c.describe() for c in crosses]
     lines.append(
         f"intervals: {level:.0%} joint bootstrap of the fitted curves (the expected pass rate at that compute, not "
         "one new evaluation, which adds its own noise)"
     )
+    lines += [f"decision: {d.describe()}" for d in decisions]
+    if decisions:
+        lines.append(
+            f"decisions: {level:.0%} intervals of the bootstrap plus the run-to-run variation of single runs (two runs "
+            f"of one recipe within --margin {margin:g} 90% of the time; none added where both sides pool repeated "
+            "runs); a crossover needs each run ahead at that level on its side"
+        )
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import numpy as np
 
 from megatron_rl.scaling.compare import Result
 from megatron_rl.scaling.curves import Curve
-from megatron_rl.scaling.decision import Crossover
+from megatron_rl.scaling.decision import Decision
 from megatron_rl.scaling.fit import Fit
 
 
@@ -40,14 +40,14 @@ def plot_results(
     efficiency_fits: dict[str, Fit] | None = None,
     axis: str | None = None,
     unfitted: list[Curve] | None = None,
-    crossovers: list[Crossover] | None = None,
+    crossovers: list[Decision] | None = None,
 ) -> list[Path]:
     """Write the figure to `out` (.png, or .svg plus a .png next to it); returns the files written.
     `efficiency_fits` (label -> fit) replaces runs' own fits in the efficiency view, e.g. by their
     shared-A refits, so that the slopes compare B at one asymptote as the paper does. With `axis` (a label
     key such as `labels.batch`), legends read `batch=512`. `unfitted` curves (no fit could be made) are drawn
-    as their points only, marked "not fitted" in the legend. `crossovers` are marked where the fitted curves cross,
-    with their intervals shaded."""
+    as their points only, marked "not fitted" in the legend. `crossovers` (decisions) whose verdict is a
+    crossover are marked at C* with its interval shaded; other verdicts draw nothing."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -78,12 +78,11 @@ def plot_results(
     for c in predict_at:
         ax.axvline(c, color="0.3", lw=0.8, ls=":")
     for cross in crossovers or []:
-        if cross.compute is None:
+        if cross.verdict != "crossover" or cross.crossover is None or cross.crossover_interval is None:
             continue
-        ax.axvline(cross.compute, color="black", lw=1.1, ls="--", label=f"crossover: {cross.describe()}")
-        if cross.interval is not None:
-            lo, hi = (max(cross.interval[0], cross.range[0]), min(cross.interval[1], cross.range[1]))
-            ax.axvspan(lo, hi, color="0.5", alpha=0.1, lw=0)
+        ax.axvline(cross.crossover, color="black", lw=1.1, ls="--", label=f"crossover: {cross.describe()}")
+        lo, hi = (max(cross.crossover_interval[0], cross.start), min(cross.crossover_interval[1], cross.target))
+        ax.axvspan(lo, hi, color="0.5", alpha=0.1, lw=0)
     ax.set_xscale("log")
     ax.set_xlabel(f"{xlabel}, log scale")
     ax.set_ylabel(ylabel)
