@@ -43,6 +43,8 @@ class BenchmarkConfig:
     """LiveCodeBench: keep problems whose contest date is on or after this (a model's cut-off)."""
     end_date: str | None = "2025-02-01"
     """LiveCodeBench: ... and on or before this (2024-08-01 .. 2025-02-01: the window DeepSeek-R1 reports)."""
+    tools: list[str] = field(default_factory=list)
+    """Tools the policy may call on every problem (names of rollout.tools.enabled), as a training dataset's."""
 
     @classmethod
     def from_str(cls, text: str) -> BenchmarkConfig:

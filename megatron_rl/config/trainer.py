@@ -214,6 +214,10 @@ class TrainerConfig:
     """(CPU demo) chance per step of a worked solution that the warm-up's copy carries a slip (a column sum
     off by one, carried into the answer; data/synthetic.py): the policy learns the method and an error rate,
     as a pretrained model does, and RL has errors to remove. 0 = every warm-up solution is correct."""
+    warm_start_tool_share: float = 0.0
+    """(CPU demo) share of the warm-up's solutions of a dataset that declares the `python` tool which call it
+    (`print(a + b)`, its output boxed; the slip copies an operand wrong) instead of working by hand: the policy
+    learns the call syntax and an error rate, and RL finds out when calling pays."""
     layer_spec: Literal["auto", "transformer_engine", "local"] = "auto"
     """auto = Transformer Engine when importable and CUDA is present, else megatron-core's local spec."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -225,3 +229,5 @@ class TrainerConfig:
             fail("warm_start_steps", f"must be >= 0, got {self.warm_start_steps}")
         if not 0.0 <= self.warm_start_slip < 1.0:
             fail("warm_start_slip", f"must be in [0, 1), got {self.warm_start_slip}")
+        if not 0.0 <= self.warm_start_tool_share <= 1.0:
+            fail("warm_start_tool_share", f"must be in [0, 1], got {self.warm_start_tool_share}")

@@ -31,6 +31,7 @@ valid row, or an unknown benchmark name, raises `DatasetError`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import threading
@@ -214,6 +215,8 @@ def load_benchmark(cfg: BenchmarkConfig) -> BenchmarkSet:
         first = f"; first: {out.errors[0]}" if out.errors else ""
         empty = f" in the window {window}" if window and not out.skipped else ""
         raise DatasetError(f"{source}: no valid rows{empty} ({out.skipped} of {out.rows} skipped){first}")
+    if cfg.tools:
+        out.prompts = [dataclasses.replace(p, tools=tuple(cfg.tools)) for p in out.prompts]
     ids = [p.id for p in out.prompts]
     if len(set(ids)) != len(ids):  # per-problem results are keyed by id
         for n, prompt in enumerate(out.prompts):

@@ -9,6 +9,9 @@ that gives the CPU run a non-zero starting pass rate, adds the columns right to 
 
     <think>7+5=12 3+4+1=8</think>\\boxed{82}
 
+With the Python tool (rollout/tools.py), a solution may instead run `print(37 + 45)` and box what it printed
+(`arithmetic_program`); the warm-up teaches that call to a share of its solutions.
+
 A worked solution can be written with deliberate slips (`slip`, the chance per step): a column sum off by
 one (the carry and the boxed sum follow the slip), a coefficient off by one in a program. Warmed up on such
 solutions, a policy knows the method and makes mistakes at a known rate, as a pretrained model does, and
@@ -75,6 +78,17 @@ def arithmetic_solution(prompt: str, slip: float = 0.0, rng: random.Random | Non
     return f"<think>{' '.join(steps)}</think>\\boxed{{{answer}}}"
 
 
+def arithmetic_program(prompt: str, slip: float = 0.0, rng: random.Random | None = None) -> tuple[str, str]:
+    """The program a tool-using solution of an arithmetic prompt runs, and what it prints: `print(a + b)`. With
+    `slip` > 0 an operand is copied one too high or too low with that chance (the output and the boxed answer
+    follow the program: a wrong answer reached consistently, as with `arithmetic_solution`'s slips)."""
+    a_text, b_text = prompt.removeprefix("What is ").removesuffix("?").split(" + ")
+    a, b = int(a_text), int(b_text)
+    if slip and rng is not None and rng.random() < slip:
+        b = b + 1 if b == 0 or rng.random() < 0.5 else b - 1
+    return f"print({a} + {b})", str(a + b)
+
+
 def linear_code_rows(seed: int = 0, max_coefficient: int = 9) -> list[Row]:
     """Code problems "f(x) = a*x + b", half call-based (a function) and half stdin/stdout (a program)."""
     rows: list[Row] = []
@@ -126,3 +140,9 @@ SOLUTIONS: dict[str, Solution] = {
     "linear_code": linear_code_solution,
 }
 """Worked solutions per synthetic task, for the supervised warm-up."""
+
+Program = Callable[..., tuple[str, str]]
+"""`program(prompt, slip=0.0, rng=None) -> (Python program, what it prints)`."""
+
+PROGRAMS: dict[str, Program] = {"arithmetic": arithmetic_program}
+"""Per synthetic task, the program a solution that calls the Python tool runs (the warm-up's tool solutions)."""

@@ -20,9 +20,17 @@ from typing import Any
 from megatron_rl.config import InterruptionConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+"""The tool-call markers of Qwen's and Hermes' chat templates (rollout/tools.py), one token each as in those
+vocabularies: added after the BPE vocabulary, so they take the last ids and leave every other id as it was."""
 PAD, EOS = "<|endoftext|>", "<|im_end|>"
+REVISION = 2
+"""Changes when what `build_tokenizer` writes changes (2: the tool tokens): cached tiny models are keyed on it."""
 
 CHAT_TEMPLATE = (
+    # the tools a prompt may call, by name (Qwen's template lists their JSON schemas: too long for a tiny model)
+    "{% if tools %}<|im_start|>system\ntools:{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %}"
+    "<|im_end|>\n{% endif %}"
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}"
@@ -101,20 +109,24 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, model_max_length
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < 256 + len(SPECIAL_TOKENS) + 16:
-        raise ValueError(f"model.vocab_size: a byte-level tokenizer needs >= 277 tokens, got {vocab_size}")
+    reserved = len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+    if vocab_size < 256 + reserved + 16:
+        raise ValueError(
+            f"model.vocab_size: a byte-level tokenizer needs >= {256 + reserved + 16} tokens, got {vocab_size}"
+        )
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
+        vocab_size=vocab_size - len(TOOL_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    tokenizer.add_special_tokens(TOOL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         pad_token=PAD,

@@ -52,7 +52,7 @@ def prepare_inputs(run: RunConfig, launch: LocalLaunch | None = None, resumed: P
         check_data(splits.fingerprints(), resumed)
     _report_data(splits)
     downstream = load_downstream(run)
-    _check_tools(run, splits)
+    _check_tools(run, splits, downstream)
     if any(d.task == "code" for d in run.data.datasets) or run.rollout.tools.enabled:
         from megatron_rl.rewards.sandbox import get_sandbox
 
@@ -105,10 +105,10 @@ def sampling_session(
     )
 
 
-def _check_tools(run: RunConfig, splits: Splits) -> None:
+def _check_tools(run: RunConfig, splits: Splits, downstream: dict[str, BenchmarkSet]) -> None:
     """Every tool a prompt declares is one the run offers (rollout.tools.enabled)."""
     offered = set(run.rollout.tools.enabled)
-    for prompts in [*splits.train.values(), *splits.val.values()]:
+    for prompts in [*splits.train.values(), *splits.val.values(), *(b.prompts for b in downstream.values())]:
         for prompt in prompts:
             unknown = [name for name in prompt.tools if name not in offered]
             if unknown:

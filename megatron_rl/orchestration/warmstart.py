@@ -24,10 +24,14 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from megatron_rl.config import ConfigError, RunConfig
+from megatron_rl.config import ConfigError, RunConfig, ToolsConfig
 from megatron_rl.data.datasets import Prompt, Splits
-from megatron_rl.data.synthetic import SOLUTIONS
+from megatron_rl.data.synthetic import PROGRAMS, SOLUTIONS, Program
+from megatron_rl.data.tokenizer import REVISION as TOKENIZER_REVISION
+from megatron_rl.rollout.session import PromptEncoder
+from megatron_rl.rollout.tools import format_call
 
 POLICY_CACHE = Path.home() / ".cache" / "megatron_rl"
 
@@ -40,6 +44,12 @@ class WarmupTask:
     solution: Callable[..., str]
     """`solution(prompt, slip=..., rng=...)`, as in `data.synthetic.SOLUTIONS`."""
     weight: float = 1.0
+    program: Program | None = None
+    """`program(prompt, slip=..., rng=...) -> (code, output)` (`data.synthetic.PROGRAMS`): what a solution that
+    calls the Python tool runs."""
+    tool_share: float = 0.0
+    """Share of this task's solutions that call the tool (`trainer.warm_start_tool_share` where the dataset
+    declares `python`)."""
 
 
 def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -> Path:
@@ -65,20 +75,28 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
                 f"trainer.warm_start_steps: the warm-up needs synthetic tasks with worked solutions "
                 f"({sorted(SOLUTIONS)}); data.datasets[{i}].source is {dataset.source!r}"
             )
-        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight))
+        share = run.trainer.warm_start_tool_share if "python" in dataset.tools else 0.0
+        if share and name not in PROGRAMS:
+            raise ConfigError(
+                f"trainer.warm_start_tool_share: data.datasets[{i}] ({dataset.source}) has no tool solutions; "
+                f"tasks with them: {sorted(PROGRAMS)}"
+            )
+        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight, PROGRAMS.get(name), share))
     names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
     out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
     slip = run.trainer.warm_start_slip
-    return warm_start(base, out, tasks, steps=run.trainer.warm_start_steps, seed=run.seed, slip=slip)
+    steps = run.trainer.warm_start_steps
+    return warm_start(base, out, tasks, steps=steps, seed=run.seed, slip=slip, tools=run.rollout.tools)
 
 
 def base_model(run: RunConfig, cache: Path = POLICY_CACHE) -> Path:
     """The tiny model of `run.model` with random weights from `run.seed`, built once per architecture and seed.
 
     Built aside and renamed into place, and reused when complete: never rewritten where a concurrent run may be
-    reading it. The directory name ends with a hash of the model config, so an edited config gets its own
-    model (and the warm-up, keyed on this path, its own warmed policy)."""
-    key = hashlib.sha256(json.dumps([dataclasses.asdict(run.model), run.seed], sort_keys=True).encode()).hexdigest()
+    reading it. The directory name ends with a hash of the model config (and the tokenizer's revision), so an edited
+    config gets its own model (and the warm-up, keyed on this path, its own warmed policy)."""
+    inputs = [dataclasses.asdict(run.model), run.seed, TOKENIZER_REVISION]
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     out = cache / f"{run.model.name}-seed{run.seed}-{key[:16]}"
     if _complete(out, key):
         return out
@@ -109,14 +127,20 @@ def warm_start(
     lr: float = 3e-3,
     seed: int = 0,
     slip: float = 0.0,
+    tools: ToolsConfig | None = None,
 ) -> Path:
     """Fine-tune the HF model in `model_dir` on worked solutions of `tasks` (mixed by weight per batch
-    row), each step of a solution written with a slip with chance `slip`; save it to `out_dir`."""
+    row), each step of a solution written with a slip with chance `slip`; save it to `out_dir`. A task with a
+    `tool_share` writes that share of its solutions as a call of the Python tool in `tools`' format, its output
+    injected as the environment would and left out of the loss, as RL leaves it out."""
     inputs: list[object] = [str(model_dir), len(tasks[0].prompts), steps, batch_size, lr, seed]
     if slip:
         inputs.append(slip)
     if len(tasks) > 1:
         inputs.append([(len(t.prompts), t.solution.__name__, t.weight) for t in tasks])
+    if any(t.tool_share for t in tasks):
+        assert tools is not None, "a warm-up with tool solutions needs the tools' format"
+        inputs.append([[t.tool_share for t in tasks], tools.call_start, tools.call_end, tools.response_template])
     key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     out_dir = out_dir.with_name(f"{out_dir.name}-{key}")
     if _complete(out_dir, key):
@@ -128,7 +152,7 @@ def warm_start(
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     try:
-        return _warm_start(model_dir, out_dir, tasks, steps, batch_size, lr, seed, slip, key)
+        return _warm_start(model_dir, out_dir, tasks, steps, batch_size, lr, seed, slip, key, tools)
     finally:
         torch.set_num_threads(threads)
 
@@ -143,6 +167,7 @@ def _warm_start(
     seed: int,
     slip: float,
     key: str,
+    tools: ToolsConfig | None,
 ) -> Path:
     import torch
     from tqdm import tqdm
@@ -156,13 +181,12 @@ def _warm_start(
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: min(1.0, (i + 1) / 20) * (1 - i / steps))
 
-    def encode(task: WarmupTask, prompt: Prompt) -> tuple[list[int], int]:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt.prompt}], tokenize=False, add_generation_prompt=True
+    encoder = PromptEncoder(tokenizer)
+
+    def encode(task: WarmupTask, prompt: Prompt) -> tuple[list[int], list[bool]]:
+        return encode_example(
+            tokenizer, encoder, solution_segments(task, prompt, slip, rng, tools, tokenizer.eos_token), prompt
         )
-        prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        target = task.solution(prompt.prompt, slip=slip, rng=rng) + tokenizer.eos_token
-        return prompt_ids + tokenizer(target, add_special_tokens=False)["input_ids"], len(prompt_ids)
 
     def draw() -> list[tuple[WarmupTask, Prompt]]:
         if len(tasks) == 1:
@@ -176,12 +200,12 @@ def _warm_start(
         width = max(len(ids) for ids, _ in batch)
         input_ids = torch.full((batch_size, width), tokenizer.pad_token_id)
         labels = torch.full((batch_size, width), -100)
-        for row, (ids, prompt_len) in enumerate(batch):
+        attend = torch.zeros((batch_size, width), dtype=torch.bool)
+        for row, (ids, trained) in enumerate(batch):
             input_ids[row, : len(ids)] = torch.tensor(ids)
-            labels[row, prompt_len : len(ids)] = torch.tensor(ids[prompt_len:])
-        loss = model(
-            input_ids=input_ids, attention_mask=(labels != -100) | (input_ids != tokenizer.pad_token_id), labels=labels
-        ).loss
+            labels[row, : len(ids)] = torch.where(torch.tensor(trained), torch.tensor(ids), -100)
+            attend[row, : len(ids)] = True
+        loss = model(input_ids=input_ids, attention_mask=attend, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -204,6 +228,35 @@ def _warm_start(
     except OSError:  # a concurrent run with the same inputs finished first: same policy, keep theirs
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
+
+
+def solution_segments(
+    task: WarmupTask, prompt: Prompt, slip: float, rng: random.Random, tools: ToolsConfig | None, eos: str
+) -> list[tuple[str, bool]]:
+    """A worked solution of `prompt` as (text, trained) segments: the policy's text, and a tool's output, which
+    the environment writes (not trained on). A share `task.tool_share` of them calls the Python tool."""
+    if task.tool_share and task.program is not None and tools is not None and rng.random() < task.tool_share:
+        code, output = task.program(prompt.prompt, slip=slip, rng=rng)
+        return [
+            ("<think>" + format_call("python", {"code": code}, tools), True),
+            (tools.response_template.format(output=output), False),
+            (f"</think>\\boxed{{{output}}}{eos}", True),
+        ]
+    return [(task.solution(prompt.prompt, slip=slip, rng=rng) + eos, True)]
+
+
+def encode_example(
+    tokenizer: Any, encoder: PromptEncoder, segments: list[tuple[str, bool]], prompt: Prompt
+) -> tuple[list[int], list[bool]]:
+    """The prompt's ids (as a run encodes it, tools shown) then each segment's, tokenised apart as a trajectory's
+    segments are; and per id whether it is trained on (the prompt and the environment's segments are not)."""
+    ids = encoder.encode(prompt)
+    trained = [False] * len(ids)
+    for text, learn in segments:
+        part = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += part
+        trained += [learn] * len(part)
+    return ids, trained
 
 
 MARKER = "warm_start.json"

@@ -382,9 +382,9 @@ class RolloutPipeline:
 
 
 def tool_metrics(trajectories: list[tuple[ToolStats, bool]]) -> dict[str, float]:
-    """A batch's tool use: calls, errors, timeouts, malformed calls, cut responses and limit hits (summed), turns,
-    calls and environment tokens per trajectory, and the pass rate of the trajectories that called a tool and of
-    those that did not (each left out when the batch had none)."""
+    """A batch's tool use: calls, errors, timeouts, malformed calls, cut responses and limit hits (summed), the
+    share of trajectories that called a tool, turns, calls and environment tokens per trajectory, and the pass rate
+    of the trajectories that called a tool and of those that did not (each left out when the batch had none)."""
     n = len(trajectories)
     used = [ok for stats, ok in trajectories if stats.used_tools]
     unused = [ok for stats, ok in trajectories if not stats.used_tools]
@@ -397,6 +397,7 @@ def tool_metrics(trajectories: list[tuple[ToolStats, bool]]) -> dict[str, float]
         "tools/malformed": total("malformed"),
         "tools/truncated": total("truncated"),
         "tools/limit_hits": total("limit_hits"),
+        "tools/calling_share": len(used) / n,
         "tools/calls_per_trajectory": total("calls") / n,
         "tools/turns_per_trajectory": total("turns") / n,
         "tools/environment_tokens": total("environment_tokens") / n,

@@ -24,7 +24,7 @@ from megatron_rl.config import ConfigError, RolloutConfig, SamplingConfig
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.rewards.workers import RewardResult, RewardWorkers
 from megatron_rl.rollout.interruption import Generated, GenerateFn, InterruptionTokens, generate_completion
-from megatron_rl.rollout.tools import Tool
+from megatron_rl.rollout.tools import Tool, schema
 from megatron_rl.rollout.trajectory import ToolStats, ToolTokens, generate_trajectory
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class PromptEncoder:
-    """Prompt text -> token ids through the tokenizer's chat template, and completion ids -> text."""
+    """Prompt text -> token ids through the tokenizer's chat template (with the tools a prompt declares, which the
+    template shows the policy), and completion ids -> text."""
 
     tokenizer: Any
     system_prompt: str | None = None
@@ -45,7 +46,8 @@ class PromptEncoder:
         messages = [{"role": "user", "content": prompt.prompt}]
         if self.system_prompt:
             messages.insert(0, {"role": "system", "content": self.system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        tools = {"tools": [schema(name) for name in prompt.tools]} if prompt.tools else {}
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **tools)
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def decode(self, tokens: list[int]) -> str:

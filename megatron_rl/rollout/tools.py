@@ -11,7 +11,9 @@ The engine stops at the closing marker (one token: `rollout.tools.call_end`), th
 comes back as the next environment segment inside `rollout.tools.response_template`
 (`<tool_response>...</tool_response>`, as the templates show tool results).
 
-Adding a tool is one class with `name`, `description` and `run(arguments, cfg) -> ToolResult`, entered in TOOLS.
+Adding a tool is one class with `name`, `description`, `parameters` (a JSON schema) and
+`run(arguments, cfg) -> ToolResult`, entered in TOOLS. A prompt that declares tools shows them to the policy
+through the chat template's `tools` (`schema`).
 A tool never raises for what the policy wrote: bad arguments, a crash, a timeout are a ToolResult whose text
 says so, and the trajectory counts them. Output is bounded by `rollout.tools.max_output_bytes` and cut visibly.
 """
@@ -42,6 +44,8 @@ class ToolResult:
 class Tool(Protocol):
     name: ClassVar[str]
     description: ClassVar[str]
+    parameters: ClassVar[dict[str, Any]]
+    """The arguments' JSON schema, shown to the policy in its prompt (`schema`)."""
 
     def run(self, arguments: dict[str, Any], cfg: ToolsConfig) -> ToolResult:
         """Runs one call (blocking; the trajectory runs it off the event loop)."""
@@ -63,7 +67,12 @@ class PythonTool:
     what it printed, or its error, or that it timed out."""
 
     name: ClassVar[str] = "python"
-    description: ClassVar[str] = 'Runs Python code and returns what it prints. Arguments: {"code": "<program>"}.'
+    description: ClassVar[str] = "Runs a Python program and returns what it prints."
+    parameters: ClassVar[dict[str, Any]] = {
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "the program"}},
+        "required": ["code"],
+    }
 
     def __init__(self, allow_unisolated: bool = False) -> None:
         self.allow_unisolated = allow_unisolated
@@ -114,6 +123,16 @@ def describe(result: RunResult, cfg: ToolsConfig) -> ToolResult:
 
 TOOLS: dict[str, type[PythonTool]] = {PythonTool.name: PythonTool}
 """Tools by the name a dataset row declares and a call names."""
+
+
+def schema(name: str) -> dict[str, Any]:
+    """A tool as chat templates take it (`apply_chat_template(..., tools=[...])`, the OpenAI function format):
+    Qwen's and Hermes' templates list these in the system prompt, the tiny tokenizer's names them."""
+    tool = TOOLS[name]
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.parameters},
+    }
 
 
 def build_tools(names: list[str] | tuple[str, ...], allow_unisolated: bool = False) -> dict[str, Tool]:

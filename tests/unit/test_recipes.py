@@ -20,6 +20,7 @@ EXPECTED = {
     "scalerl-cpu",
     "multitask",
     "multitask-cpu",
+    "scalerl-cpu-tools",
     "scalerl-32k",
     "scalerl-64k",
 }
@@ -103,5 +104,14 @@ def test_recipe_files_state_only_differences(recipe):
     from megatron_rl.config import RECIPES_DIR
 
     raw = yaml.safe_load((RECIPES_DIR / f"{recipe}.yaml").read_text())
-    assert raw.get("base") == ("scalerl-cpu" if recipe == "multitask-cpu" else "scalerl")
+    assert raw.get("base") == ("scalerl-cpu" if recipe in ("multitask-cpu", "scalerl-cpu-tools") else "scalerl")
     assert "description" in raw
+
+
+def test_the_tool_recipe_offers_python_to_training_validation_and_the_held_out_sums():
+    run = load_config("scalerl-cpu-tools")
+    assert run.rollout.tools.enabled == ["python"] and run.data.datasets[0].tools == ["python"]
+    assert [(b.name, b.tools) for b in run.eval.downstream.benchmarks] == [("synthetic_large", ["python"])]
+    assert 0 < run.trainer.warm_start_tool_share < 1  # the policy starts knowing both ways
+    # a call (~50 tokens of the tiny tokenizer) fits the thinking budget with room to answer after it
+    assert run.rollout.interruption.min_thinking_tokens >= 60

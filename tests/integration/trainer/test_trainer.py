@@ -536,3 +536,19 @@ def test_a_sequence_longer_than_a_micro_batch_stops_before_any_collective(tmp_pa
     assert proc.returncode != 0
     assert "trainer.micro_batch_tokens: a sequence of" in proc.stdout + proc.stderr
     assert "does not fit a micro-batch of 512 tokens" in proc.stdout + proc.stderr
+
+
+@pytest.mark.slow
+def test_environment_tokens_carry_no_loss(tmp_path):
+    """A tool's response is context, not something the policy is trained to say: with every completion holding two
+    environment segments (one between policy turns, one at the end), changing their generator log-probs, their
+    versions and the trailing segment's ids leaves every gradient as it was; changing one policy token's
+    generator log-prob does not (the check can fail)."""
+    spec = {"steps": 1, "grads": True, "overrides": LR}
+    (plain,) = _run(tmp_path, "plain", {**spec, "environment": None})
+    (environment,) = _run(tmp_path, "env", {**spec, "environment": "environment"})
+    (policy,) = _run(tmp_path, "policy", {**spec, "environment": "policy"})
+    assert environment["steps"][0]["train/loss"] == plain["steps"][0]["train/loss"]
+    for name, grad in plain["grads"].items():
+        torch.testing.assert_close(environment["grads"][name], grad, rtol=1e-6, atol=1e-9, msg=name)
+    assert any(not torch.allclose(policy["grads"][n], g, rtol=1e-4, atol=1e-8) for n, g in plain["grads"].items())

@@ -39,6 +39,32 @@ def fixed_batch(
     return random_groups(seed, prompts, group, vocab, tuple(prompt_len), tuple(completion_len), masked_index=1)
 
 
+def add_environment_segments(batch: list, vocab: int, perturb: str | None) -> None:
+    """Gives every completion two environment segments as a tool-using trajectory has: tokens 2-4 (a tool's response
+    between policy turns) and 3 tokens appended at the end, all out of the loss. `perturb`: "environment" changes
+    what the trainer could read of them besides their place (their generator log-probs and versions, and the
+    appended ones' ids); "policy" changes the generator log-prob of one policy token instead (a control)."""
+    import random
+
+    rng = random.Random(7)
+    for group in batch:
+        for c in group.completions:
+            c.tokens += [rng.randrange(5, vocab) for _ in range(3)]
+            c.gen_logprobs += [-6.0] * 3
+            c.versions += [0] * 3
+            c.loss_mask += [False] * 3
+            env = [i for i in range(2, 5) if i < len(c.tokens) - 3] + list(range(len(c.tokens) - 3, len(c.tokens)))
+            for i in env:
+                c.loss_mask[i] = False
+            if perturb == "environment":
+                for i in env:
+                    c.gen_logprobs[i] += 2.5
+                    c.versions[i] += 1
+                c.tokens[-3:] = [(t + 17) % (vocab - 5) + 5 for t in c.tokens[-3:]]
+            elif perturb == "policy":
+                c.gen_logprobs[0] += 0.5
+
+
 def attach_random_routing(batch: list, model: Any, seed: int) -> None:
     """Give every completion a generator routing record of distinct random experts per token and layer."""
     import numpy as np
@@ -205,6 +231,8 @@ def main(spec: dict) -> None:
     if spec.get("load"):
         load_checkpoint(trainer, spec["load"], model_only=spec.get("model_only", False))
     batch = fixed_batch(vocab=run.model.vocab_size, **spec.get("batch", {}))
+    if "environment" in spec:  # tool responses in every completion, perturbed or not (add_environment_segments)
+        add_environment_segments(batch, run.model.vocab_size, spec["environment"])
     if spec.get("routing") is not None:  # MoE: random generator routing records (seed) on every completion
         attach_random_routing(batch, run.model, spec["routing"])
     if spec.get("dump_batch") and torch.distributed.get_rank() == 0:

@@ -65,3 +65,47 @@ def test_the_base_model_is_built_once_aside_and_reused_never_rewritten(tmp_path)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
     other = load_config("scalerl-cpu", None, ["seed=7"])
     assert base_model(other, tmp_path) != path
+
+
+def test_a_tool_solution_trains_the_call_and_the_answer_never_the_tools_output(tmp_path):
+    """With `tool_share` 1 every solution calls the tool: the ids are the prompt as a run encodes it (the tool
+    named), the call, the output as the trajectory injects it (tokenised alone) and the boxed answer; only the
+    call and the answer are trained. A slip miscopies an operand, and the output and the answer follow it."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import ToolsConfig
+    from megatron_rl.data.synthetic import arithmetic_program
+    from megatron_rl.data.tokenizer import build_tokenizer
+    from megatron_rl.orchestration.warmstart import encode_example, solution_segments
+    from megatron_rl.rollout.session import PromptEncoder
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    encoder, tools = PromptEncoder(tokenizer), ToolsConfig(enabled=["python"])
+    prompt = Prompt("add-48-75", "math", "What is 48 + 75?", "123", tools=("python",))
+    task = WarmupTask([prompt], arithmetic_solution, program=arithmetic_program, tool_share=1.0)
+    segments = solution_segments(task, prompt, 0.0, random.Random(0), tools, tokenizer.eos_token)
+    ids, trained = encode_example(tokenizer, encoder, segments, prompt)
+
+    head = encoder.encode(prompt)
+    call = tokenizer.encode(
+        '<think><tool_call>\n{"name": "python", "arguments": {"code": "print(48 + 75)"}}\n</tool_call>'
+    )
+    output = tokenizer.encode("\n<tool_response>\n123\n</tool_response>\n", add_special_tokens=False)
+    answer = tokenizer.encode("</think>\\boxed{123}<|im_end|>", add_special_tokens=False)
+    assert ids == head + call + output + answer
+    assert trained == [False] * len(head) + [True] * len(call) + [False] * len(output) + [True] * len(answer)
+    assert "tools: python" in tokenizer.decode(head)
+
+    # share 0: the worked solution by hand, trained whole, and no draw from the generator spent on the choice
+    rng, by_hand = random.Random(0), WarmupTask([prompt], arithmetic_solution, program=arithmetic_program)
+    ((text, learn),) = solution_segments(by_hand, prompt, 0.0, rng, tools, tokenizer.eos_token)
+    assert (
+        learn
+        and text == arithmetic_solution(prompt.prompt) + "<|im_end|>"
+        and rng.random() == random.Random(0).random()
+    )
+
+    slipped = {arithmetic_program("What is 48 + 75?", slip=0.999, rng=random.Random(seed)) for seed in range(20)}
+    assert slipped == {("print(48 + 74)", "122"), ("print(48 + 76)", "124")}
