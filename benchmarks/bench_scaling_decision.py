@@ -1,22 +1,32 @@
 """Calibration of the scaling decision (megatron_rl/scaling/decision.py) on curves with known parameters.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_scaling_decision.py [--seeds 200] [--boot 500] [--json out.json]
+    OMP_NUM_THREADS=1 nice -n 10 python benchmarks/bench_scaling_decision.py [--seeds 200] [--boot 200] [--json out]
+    OMP_NUM_THREADS=1 python benchmarks/bench_scaling_decision.py --part coverage [--seeds 300] [--boot 1000]
 
-Two configurations, as a batch-size comparison looks (R0 = 0.30): "small" rises early to a lower ceiling
-(A 0.61, B 2.2, C_mid 6,000), "large" rises later to a higher one (A 0.70, B 1.5, C_mid 15,000); the true
-curves cross at 31,857 (beyond the data). Each run is observed as the paper's runs are: the step-0 point
-plus 60 evaluations evenly spaced up to 20,000, with AR(1) evaluation noise (sd 0.01; phi 0.3, 0.6, 0.8:
-the validation points of one run are autocorrelated). A third "close" configuration (A 0.63, otherwise as
-"small") checks the difference where it is small and the curves never cross.
+**Verdicts** (`--part verdicts`, the default): `decide_pair` (winner / undecided / crossover, 90%) on pairs of
+synthetic runs from known curves (R0 = 0.30; the step-0 point plus 75 evaluations evenly spaced up to the
+case's budget; AR(1) evaluation noise, sd 0.01, phi 0.6). Unless a case says otherwise each run's A is drawn
+around its recipe's with sd `run_sd(0.02)` = 0.0086 (two runs of one recipe within 0.02 of each other 90% of the
+time, the paper's margin: its three repeated runs gave A within +/-0.015), since repeated runs differ by more
+than their evaluation noise. Cases (`CASES`): the same curve with and without that run-to-run variation (decided
+with `margin` 0, the bootstrap alone, and with the default 0.02), real crossovers inside and beyond the data
+(Table 1's 8B vs MoE and batch 512 vs 2048), one curve better everywhere, and A differing by 0.01 and 0.03. Each
+at two targets: the last evaluation and 4x it. Per case and target, over `--seeds` pairs: the share of winner /
+undecided / crossover verdicts, and of right and wrong calls. Right: the run named ahead at the target is the
+one whose recipe curve is ahead there, and for a crossover also: the recipe curves change order within
+[start, target] with the last change inside the stated interval of C*. Wrong: any other winner or crossover
+(on the same curve, every one). Target: at most 10% wrong on the same curve.
 
-Per noise level, over `--seeds` pairs of runs, each fitted and bootstrapped (AR method, `--boot` refits):
-- coverage of the stated 90% interval of R_small - R_large (and R_small - R_close) by the true difference at
-  15,000 (inside the data), 50,000 and 100,000 (extrapolated);
-- how often the run called ahead with P >= 0.9 is the truly ahead one (should be >= 0.9);
-- coverage of the 90% crossover interval (over [5,000, 1,000,000]) by the true crossover, and its median
-  width in octaves.
-
-The target (issue text): the 90% interval of the difference covers the truth 80-98% of the time.
+**Coverage** (`--part coverage`): two configurations shaped like a batch-size comparison (R0 = 0.30): "small"
+rises early to a lower ceiling (A 0.61, B 2.2, C_mid 6,000), "large" rises later to a higher one (A 0.70, B 1.5,
+C_mid 15,000); the true curves cross at 31,857 (beyond the data). Each run is observed as the step-0 point plus
+60 evaluations evenly spaced up to 20,000, with AR(1) evaluation noise (sd 0.01; phi 0.3, 0.6, 0.8). A third
+"close" configuration (A 0.63, otherwise as "small") checks the difference where it is small and the curves
+never cross. Per noise level, over `--seeds` pairs of runs, each fitted and bootstrapped (AR method, `--boot`
+refits): coverage of the stated 90% interval of R_small - R_large (and R_small - R_close) by the true difference
+at 15,000 (inside the data), 50,000 and 100,000 (extrapolated); how often the run called ahead with P >= 0.9 is
+the truly ahead one; coverage of the 90% crossover interval (over [5,000, 1,000,000]) by the true crossover, and
+its median width in octaves. Target: the 90% interval of the difference covers the truth 80-98% of the time.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ import math
 import os
 import platform
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from scipy.optimize import brentq
@@ -34,9 +46,9 @@ from tqdm import tqdm
 
 from megatron_rl.scaling.compare import fit_run
 from megatron_rl.scaling.curves import Curve
-from megatron_rl.scaling.decision import crossover, difference
+from megatron_rl.scaling.decision import MARGIN, Decision, crossover, decide_pair, difference, run_sd
 from megatron_rl.scaling.fit import sigmoid
-from megatron_rl.scaling.synthetic import R0, synthetic_curve
+from megatron_rl.scaling.synthetic import R0, TABLE1, synthetic_curve
 
 SMALL = (0.61, 2.2, 6000.0)
 LARGE = (0.70, 1.5, 15000.0)
@@ -95,16 +107,133 @@ def evaluate(phi: float, seeds: int, boot: int) -> dict[str, float]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, default=200)
-    parser.add_argument("--boot", type=int, default=500)
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    started = time.perf_counter()
-    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; true crossover "
-          f"{true_crossover():,.0f}; {args.seeds} seeds, {args.boot} refits")  # fmt: skip
-    rows = {phi: evaluate(phi, args.seeds, args.boot) for phi in PHIS}
+# ---------------------------------------------------------------------------------------------------------------
+# Verdicts: winner / undecided / crossover against the known truth
+# ---------------------------------------------------------------------------------------------------------------
+
+Params = tuple[float, float, float]
+"""A, B, C_mid."""
+PHI, EVALS = 0.6, 75
+RUN_SD = run_sd(MARGIN)
+"""Run-to-run sd of A: two runs of one recipe within the paper's 0.02 of each other 90% of the time."""
+
+
+def table1(name: str) -> Params:
+    C_mid, B, A = TABLE1[name]
+    return A, B, C_mid
+
+
+EIGHT_B = table1("scalerl-8b")
+
+
+@dataclass
+class Case:
+    name: str
+    a: Params
+    b: Params
+    budget: float
+    """Compute of both runs' last evaluation."""
+    run_to_run: float = RUN_SD
+    """sd of each run's A around its recipe's."""
+    margins: tuple[float, ...] = (MARGIN,)
+
+
+CASES = (
+    Case("(a) same curve, evaluation noise only", EIGHT_B, EIGHT_B, 25_000.0, 0.0, (0.0, MARGIN)),
+    Case("(a) same recipe, A varies run to run", EIGHT_B, EIGHT_B, 25_000.0, RUN_SD, (0.0, MARGIN)),
+    Case("(b) crossover inside the data: 8B vs MoE", EIGHT_B, table1("moe-17bx16"), 40_000.0),
+    Case("(b) crossover inside the data: batch 512 vs 2048", table1("batch-512"), table1("batch-2048"), 50_000.0),
+    Case("(c) crossover beyond the data (31,857)", SMALL, LARGE, 20_000.0),
+    Case("(d) one curve ahead everywhere: A 0.61 vs 0.66", EIGHT_B, (0.66, *EIGHT_B[1:]), 25_000.0),
+    Case("(e) A differs by 0.01", EIGHT_B, (0.62, *EIGHT_B[1:]), 25_000.0),
+    Case("(e) A differs by 0.03", EIGHT_B, (0.64, *EIGHT_B[1:]), 25_000.0),
+)
+TARGETS = (1.0, 4.0)
+"""Targets in units of the budget: the last evaluation, and an extrapolation to 4x."""
+
+
+def _true_gap(case: Case) -> Callable[[float], float]:
+    """log C -> R_a - R_b of the recipes' curves."""
+    return lambda lc: true_R(case.a, math.exp(lc)) - true_R(case.b, math.exp(lc))
+
+
+def true_last_crossing(case: Case, start: float, target: float) -> float | None:
+    """The last compute in [start, target] where the recipes' curves change order (root finding), or None."""
+    gap = _true_gap(case)
+    grid = np.linspace(math.log(start), math.log(target), 4001)
+    values = np.array([gap(x) for x in grid])
+    change = np.flatnonzero(np.sign(values[1:]) * np.sign(values[:-1]) < 0)
+    if change.size == 0:
+        return None
+    k = int(change[-1])
+    return math.exp(brentq(gap, grid[k], grid[k + 1]))
+
+
+def judge(decision: Decision, case: Case) -> str:
+    """right / wrong / undecided against the recipes' curves (module docstring)."""
+    if decision.leader is None:
+        return "undecided"
+    true = true_R(case.a, decision.target) - true_R(case.b, decision.target)
+    if true == 0 or (true > 0) != (decision.leader == decision.a):
+        return "wrong"
+    if decision.verdict == "winner":
+        return "right"
+    assert decision.crossover_interval is not None
+    truth = true_last_crossing(case, decision.start, decision.target)
+    lo, hi = decision.crossover_interval
+    return "right" if truth is not None and lo <= truth <= hi else "wrong"
+
+
+def _run_of(label: str, params: Params, seed: int, case: Case, boot: int):
+    rng = np.random.default_rng([seed, 7])
+    A = params[0] + rng.normal(0.0, case.run_to_run) if case.run_to_run else params[0]
+    c, R = synthetic_curve(A, *params[1:], noise=NOISE, seed=seed, points=EVALS, max_compute=case.budget, phi=PHI)
+    return fit_run(Curve(label, c, R, f"{label}-{seed}"), n_boot=boot, seed=seed)
+
+
+def evaluate_verdicts(case: Case, seeds: int, boot: int) -> list[dict[str, object]]:
+    counts: dict[tuple[float, float], dict[str, int]] = {}
+    fit_s, decide_s = 0.0, 0.0
+    for seed in tqdm(range(seeds), desc=case.name[:40], leave=False):
+        started = time.perf_counter()
+        a = _run_of("a", case.a, 2 * seed, case, boot)
+        b = _run_of("b", case.b, 2 * seed + 1, case, boot)
+        fit_s += time.perf_counter() - started
+        started = time.perf_counter()
+        for margin in case.margins:
+            for factor in TARGETS:
+                d = decide_pair(a, b, factor * case.budget, confidence=0.9, margin=margin)
+                tally = counts.setdefault((margin, factor), {})
+                for key in (d.verdict, f"call {judge(d, case)}"):
+                    tally[key] = tally.get(key, 0) + 1
+        decide_s += time.perf_counter() - started
+    rows = []
+    for (margin, factor), tally in counts.items():
+        share = {k: tally.get(k, 0) / seeds for k in ("winner", "undecided", "crossover")}
+        share.update({k: tally.get(f"call {k}", 0) / seeds for k in ("right", "wrong")})
+        rows.append({"case": case.name, "margin": margin, "target": factor * case.budget, **share})
+    calls = seeds * len(case.margins) * len(TARGETS)
+    print(
+        f"{case.name}: {fit_s / (2 * seeds):.2f} s per fit and bootstrap, {1e3 * decide_s / calls:.0f} ms per decision"
+    )
+    return rows
+
+
+def verdicts(seeds: int, boot: int) -> list[dict[str, object]]:
+    rows = [row for case in CASES for row in evaluate_verdicts(case, seeds, boot)]
+    head = ["case", "margin", "target", "winner", "undecided", "crossover", "right", "wrong"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for r in rows:
+        cells = [str(r["case"]), f"{r['margin']:g}", f"{r['target']:,.0f}"]
+        cells += [f"{r[k]:.0%}" for k in head[3:]]
+        print("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def coverage(seeds: int, boot: int) -> dict[str, dict[str, float]]:
+    print(f"true crossover {true_crossover():,.0f}")
+    rows = {phi: evaluate(phi, seeds, boot) for phi in PHIS}
     head = ["phi", *[f"diff {p}@{c / 1000:g}k" for p in ("large", "close") for c in AT]]
     head += ["P>=0.9 right", "crossover cover", "width (octaves)"]
     print("| " + " | ".join(head) + " |")
@@ -117,10 +246,24 @@ def main() -> None:
             f"{r['crossover_width_octaves']:.2f}",
         ]
         print("| " + " | ".join(cells) + " |")
+    return {str(k): v for k, v in rows.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("verdicts", "coverage"), default="verdicts")
+    parser.add_argument("--seeds", type=int, default=200)
+    parser.add_argument("--boot", type=int, default=200)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    started = time.perf_counter()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.seeds} seeds, "
+          f"{args.boot} refits")  # fmt: skip
+    out = verdicts(args.seeds, args.boot) if args.part == "verdicts" else coverage(args.seeds, args.boot)
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({str(k): v for k, v in rows.items()}, f, indent=2)
+            json.dump(out, f, indent=2)
 
 
 if __name__ == "__main__":
