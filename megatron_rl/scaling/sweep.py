@@ -58,6 +58,7 @@ import yaml
 from megatron_rl.config import ConfigError, load_config
 from megatron_rl.scaling.compare import Result, fit_run
 from megatron_rl.scaling.curves import Curve
+from megatron_rl.scaling.decision import MARGIN, decide_pair
 from megatron_rl.scaling.fit import FitError
 
 STATE_FILE = "sweep_state.json"
@@ -103,6 +104,8 @@ class Stopping:
     """`asymptote` (A) or a compute (R at that many device-hours)."""
     confidence: float = 0.9
     margin: float = 0.0
+    """asymptote: the difference of A the leader must be ahead by; at a compute: `decide_pair`'s run-to-run margin
+    (scaling/decision.py; default there 0.02)."""
     min_evals: int = 5
     """Evaluations after R0 a run (and the leader) needs before the rule judges it."""
     min_compute: float = 0.0
@@ -345,7 +348,8 @@ def load_sweep(path: str | Path) -> Sweep:
         raise _fail(path, "stopping.confidence", f"must be in (0, 1), got {confidence}")
     stopping = Stopping(
         rule, compare if compare == "asymptote" else float(compare), confidence,
-        _number(stop, "margin", 0.0, path, "stopping.", low=-1.0),
+        _number(stop, "margin", 0.0 if compare == "asymptote" else MARGIN, path, "stopping.",
+                low=-1.0 if compare == "asymptote" else 0.0),
         int(_number(stop, "min_evals", 5, path, "stopping.", low=4)),
         _number(stop, "min_compute", 0.0, path, "stopping."),
     )  # fmt: skip
@@ -485,10 +489,14 @@ class Verdict:
     compare: str | float
     confidence: float
     margin: float
+    decision: str = ""
+    """At a compute: `decide_pair`'s verdict, as text (winner / undecided / crossover)."""
 
     def describe(self) -> str:
         what = "A" if self.compare == "asymptote" else f"R@{self.compare:g}"
         verb = "stop" if self.stop else "keep"
+        if self.decision:
+            return f"{verb} {self.run}: {self.decision}"
         return (
             f"{verb} {self.run}: leader {self.leader} {what} {self.leader_value:.3f} vs {self.run_value:.3f}, "
             f"lower {self.confidence:.0%} bound of the difference {self.diff_lo:+.3f} "
@@ -498,7 +506,16 @@ class Verdict:
 
 def judge(leader: Result, run: Result, stopping: Stopping) -> Verdict:
     """Whether `run` is behind `leader` with the stated confidence (module docstring). The i-th refit of one is
-    paired with the i-th of the other: the runs are independent, so the pairs are draws of the difference."""
+    paired with the i-th of the other: the runs are independent, so the pairs are draws of the difference. At a
+    compute, the decision is scaling/decision.py's `decide_pair` there: stop when it names the leader (winner, or
+    ahead at the compute after a crossover)."""
+    if stopping.compare != "asymptote":
+        d = decide_pair(leader, run, float(stopping.compare), stopping.confidence, stopping.margin)
+        R_lead, R_run = (float(r.fit.predict([d.target])[0]) for r in (leader, run))
+        return Verdict(
+            run.curve.label, leader.curve.label, d.leader == leader.curve.label, R_lead, R_run, d.interval[0],
+            d.p_a_ahead, stopping.compare, stopping.confidence, stopping.margin, d.describe(),
+        )  # fmt: skip
     lead_value, lead_draws = quantity(leader, stopping.compare)
     run_value, run_draws = quantity(run, stopping.compare)
     n = min(lead_draws.size, run_draws.size)

@@ -3,8 +3,8 @@
     curves.png     every run's validation points, fitted curve and bootstrap band (scaling/plot.py); runs that could
                    not be fitted as points only
     report.md      per run: status and why it ended, steps, device-hours, A, B, C_mid with their 90% intervals; each
-                   run against the leader (the stopping rule's numbers, and R at the planned compute of the grid with
-                   its joint-bootstrap interval, scaling/decision.py); the compute the stops saved
+                   run against the leader (the stopping rule's numbers, and the three-way decision at the grid's
+                   planned compute, scaling/decision.py's `decide_pair`); the compute the stops saved
     report.json    the same numbers
 
 The compute saved: each stopped run's projected device-hours over its planned steps (its cost per step so far
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.scaling.compare import Result
-from megatron_rl.scaling.decision import difference
+from megatron_rl.scaling.decision import decide_pair
 from megatron_rl.scaling.sweep import (
     RunState,
     Sweep,
@@ -81,7 +81,8 @@ def write_report(sweep: Sweep, directory: Path, runs: dict[str, RunState]) -> li
             verdict = judge(fits[leader], result, sweep.stopping)
             entry: dict[str, Any] = {"run": name, "leader": leader, "rule": verdict.describe(), **verdict.__dict__}
             if target > 0:
-                entry["at_planned_compute"] = difference(fits[leader], result, target).as_dict()
+                at = decide_pair(fits[leader], result, target, sweep.stopping.confidence)
+                entry["at_planned_compute"] = at.as_dict()
             decisions.append(entry)
     saved = compute_saved(runs)
     payload = {
@@ -162,9 +163,8 @@ def _markdown(sweep: Sweep, payload: dict[str, Any], fits: dict[str, Result]) ->
             at = d.get("at_planned_compute")
             if at:
                 lines.append(
-                    f"  - at the grid's planned compute {at['compute']:.4g} device-hours: {at['a']} {at['R_a']:.3f} vs "
-                    f"{at['b']} {at['R_b']:.3f}, difference {at['diff']:+.3f} [{at['lo']:+.3f}, {at['hi']:+.3f}], "
-                    f"P({at['a']} ahead) {at['p_a_ahead']:.2f}" + (" (extrapolated)" if at["extrapolated"] else "")
+                    f"  - at the grid's planned compute ({at['target']:.4g} device-hours), {at['verdict']}: "
+                    f"{at['text']} (run-to-run margin {at['margin']:g})"
                 )
     s = payload["compute_saved"]
     lines += [

@@ -187,8 +187,12 @@ def test_the_rule_stops_a_clearly_lower_curve():
     assert verdict.diff_lo > 0.2 and verdict.p_ahead == 1.0
     assert verdict.leader_value == pytest.approx(0.80, abs=0.03) and verdict.run_value == pytest.approx(0.5, abs=0.03)
     # at a compute instead of the asymptote: R there
-    at = judge(fits["high"], fits["low"], Stopping("halving", 20.0, 0.9, 0.0))
+    # at a compute instead of the asymptote: scaling/decision.py's decide_pair there, with its run-to-run margin
+    at = judge(fits["high"], fits["low"], Stopping("halving", 20.0, 0.9, 0.02))
     assert at.stop and at.leader_value == pytest.approx(float(fits["high"].fit.predict([20.0])[0]))
+    assert at.describe().startswith("stop low: at 20: high ahead of low by ")
+    early = judge(fits["high"], fits["low"], Stopping("halving", 0.01, 0.9, 0.02))  # before either curve rose
+    assert not early.stop and "undecided" in early.describe()
 
 
 def test_the_rule_cannot_fire_when_the_margin_exceeds_any_possible_difference():
