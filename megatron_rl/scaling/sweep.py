@@ -383,7 +383,8 @@ class Progress:
     evals: list[tuple[int, float, float]] = field(default_factory=list)
     """(step, device-hours, metric) of each evaluation, in step order; a re-logged step keeps its last row."""
     relogged: int = 0
-    """Rows whose step was logged before (a resumed run logs the steps after its checkpoint again)."""
+    """Rows of a step logged before by a start that was cut short (a resumed run logs the steps after its
+    checkpoint again); the final evaluation's second row of the last step is not one."""
     gaps: list[tuple[int, int]] = field(default_factory=list)
     """Missing step ranges (first, last) between logged steps."""
     bad_lines: list[str] = field(default_factory=list)
@@ -421,8 +422,10 @@ def read_progress(path: Path, metric: str = "val/pass_rate") -> Progress:
             continue
         step = int(step)
         if step in rows:
-            progress.relogged += 1
-            rows[step] = {**rows[step], **record}  # a step's evaluation row and step row merge; the last value wins
+            # The final evaluation is a second row of the last step (merged); a step logged again after a lower one,
+            # or a second step row of one step, is a resumed run re-logging the steps after its checkpoint.
+            progress.relogged += step < max(rows) or ("time/step_s" in record and "time/step_s" in rows[step])
+            rows[step] = {**rows[step], **record}  # the last value of each column wins
         else:
             rows[step] = record
     steps = sorted(rows)

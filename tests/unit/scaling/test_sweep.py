@@ -143,14 +143,16 @@ def test_the_reader_keeps_the_last_row_of_a_relogged_step_names_gaps_and_bad_lin
         json.dumps({"step": 1, "device_hours": 0.1}),
         json.dumps({"step": 2, "device_hours": 0.2, "val/pass_rate": 0.4}),
         "{not json",
+        json.dumps({"step": 3, "device_hours": 0.3, "time/step_s": 1.0}),
         json.dumps({"step": 2, "device_hours": 0.21, "val/pass_rate": 0.45}),  # re-logged after a resume
-        json.dumps({"step": 5, "device_hours": 0.5, "val/pass_rate": 0.5}),
+        json.dumps({"step": 5, "device_hours": 0.5, "time/step_s": 1.0}),
+        json.dumps({"step": 5, "device_hours": 0.5, "val/pass_rate": 0.5}),  # the final evaluation: not re-logged
     ]
     path.write_text("\n".join(lines) + '\n{"step": 6, "device_')
     p = read_progress(path)
     assert p.last_step == 5 and p.device_hours == 0.5
     assert p.evals == [(0, 0.0, 0.3), (2, 0.21, 0.45), (5, 0.5, 0.5)]
-    assert p.relogged == 1 and p.gaps == [(3, 4)]
+    assert p.relogged == 1 and p.gaps == [(4, 4)]
     assert p.bad_lines == [f"{path}:5: not JSON (Expecting property name enclosed in double quotes)"]
     assert read_progress(tmp_path / "none.jsonl").last_step == 0
 
