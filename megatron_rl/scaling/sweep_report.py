@@ -113,6 +113,8 @@ def write_report(sweep: Sweep, directory: Path, runs: dict[str, RunState]) -> li
     written.append(directory / "report.md")
     lines = [_summary(payload)]
     lines += [f"  {d['rule']}" for d in decisions]
+    lines += [f"  {name}: left out of the comparison, not fitted: {why}" for name, why in unfitted.items()]
+    lines += [f"  {s.name}: {s.status}: {s.reason}" for s in runs.values() if s.status in ("crashed", "stalled")]
     lines.append("wrote " + ", ".join(map(str, written)))
     return lines
 

@@ -1,8 +1,9 @@
 """`megatron-rl sweep` end to end on CPU: two real `scalerl-cpu` runs, the second stopped by the halving rule.
 
 The sweep launches the runs one after the other as child processes of `megatron-rl train`. The first (`learns`)
-trains 6 steps; the second (`frozen`, learning rate 1e-12, 40 steps planned) is judged once it has 4 evaluations after
-R0. The rule's margin of -1 makes the stop certain (two pass rates differ by more than -1 in every bootstrap draw):
+trains 6 steps; the second (`mute`, which cannot answer: `MUTE`, 40 steps planned) is judged once it has 4
+evaluations after R0. `learns` is then the leader, and the rule's margin of -1 makes the stop certain (two
+asymptotes differ by more than -1 in every bootstrap draw):
 what is checked is the machinery around it, with real processes: the SIGTERM the run answers with a checkpoint,
 the reason and numbers in the state file, the report, the compute saved (recomputed here from the state), and a
 second invocation that resumes from the state file and launches nothing. The rule's statistics are tested on
@@ -26,6 +27,18 @@ from small_run import small_run  # noqa: E402
 pytestmark = [pytest.mark.slow, pytest.mark.run]
 
 ROOT = Path(__file__).resolve().parents[3]
+MUTE = {
+    "rollout.interruption.min_thinking_tokens": 1,
+    "rollout.interruption.max_thinking_tokens": 1,
+    "rollout.interruption.lookahead_tokens": 0,
+    "rollout.answer_tokens": 1,
+    "algo.zero_variance_filter": False,
+    "algo.truncated": "keep",
+}
+"""A run that cannot pass: one thinking token, then one answer token, where an answer is `\\boxed{...}` (8 tokens of
+the tiny tokenizer). Its validation pass rate is 0, its fitted A at its lower bound (~0), so the run that learns is
+the leader whatever the evaluation noise of 16 completions. Its completions are all cut short and its groups all
+zero-variance, so both are trained on (zero advantages) for its steps to advance."""
 
 
 def _sweep(path: Path, directory: Path) -> subprocess.CompletedProcess[str]:
@@ -43,7 +56,7 @@ def test_a_sweep_stops_the_loser_and_resumes_without_relaunching(tmp_path):
         "overrides": small,
         "runs": [
             {"name": "learns", "overrides": {"total_steps": 6}},
-            {"name": "frozen", "overrides": {"total_steps": 40, "trainer.optimizer.lr": 1.0e-12}},
+            {"name": "mute", "overrides": {"total_steps": 40, **MUTE}},
         ],
         "launcher": {"kind": "local", "parallel": 1},
         "stopping": {"rule": "halving", "confidence": 0.9, "margin": -1.0, "min_evals": 4},
@@ -58,31 +71,31 @@ def test_a_sweep_stops_the_loser_and_resumes_without_relaunching(tmp_path):
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
 
     state = json.loads((directory / "sweep_state.json").read_text())["runs"]
-    learns, frozen = state["learns"], state["frozen"]
+    learns, mute = state["learns"], state["mute"]
     assert learns["status"] == "finished" and learns["last_step"] == 6 and learns["exit_code"] == 0, learns
-    assert frozen["status"] == "stopped", frozen
-    assert frozen["stop"]["kind"] == "rule" and frozen["stop"]["leader"] == "learns", frozen["stop"]
-    assert frozen["stop"]["diff_lo"] > -1.0 and frozen["stop"]["p_ahead"] == 1.0
-    assert 4 <= frozen["last_step"] < 40 and frozen["exit_code"] == 0, frozen
+    assert mute["status"] == "stopped", (mute, done.stdout[-3000:])
+    assert mute["stop"]["kind"] == "rule" and mute["stop"]["leader"] == "learns", mute["stop"]
+    assert mute["stop"]["diff_lo"] > -1.0 and mute["stop"]["p_ahead"] == 1.0
+    assert 4 <= mute["last_step"] < 40 and mute["exit_code"] == 0, mute
     # the stop was train's graceful one: it checkpointed the step it stopped at
-    log = (directory / "logs" / "frozen.log").read_text()
-    assert f"stopped by SIGTERM at step {frozen['last_step']}: checkpoint saved" in log, log[-3000:]
-    assert (directory / "frozen" / "checkpoints" / f"step_{frozen['last_step']:08d}").is_dir()
-    assert "frozen: stop frozen: leader learns" in done.stdout
+    log = (directory / "logs" / "mute.log").read_text()
+    assert f"stopped by SIGTERM at step {mute['last_step']}: checkpoint saved" in log, log[-3000:]
+    assert (directory / "mute" / "checkpoints" / f"step_{mute['last_step']:08d}").is_dir()
+    assert "mute: stop mute: leader learns" in done.stdout
 
     report = json.loads((directory / "report.json").read_text())
-    per_step = frozen["device_hours"] / frozen["last_step"]
+    per_step = mute["device_hours"] / mute["last_step"]
     projected = per_step * 40
     saved = report["compute_saved"]
-    assert saved["stopped_used"] == pytest.approx(frozen["device_hours"])
-    assert saved["saved"] == pytest.approx(projected - frozen["device_hours"])
+    assert saved["stopped_used"] == pytest.approx(mute["device_hours"])
+    assert saved["saved"] == pytest.approx(projected - mute["device_hours"])
     assert saved["grid_projected"] == pytest.approx(learns["device_hours"] + projected)
-    assert saved["share"] == pytest.approx((projected - frozen["device_hours"]) / (learns["device_hours"] + projected))
+    assert saved["share"] == pytest.approx((projected - mute["device_hours"]) / (learns["device_hours"] + projected))
     assert (directory / "curves.png").stat().st_size > 10_000
-    assert "| frozen | stopped |" in (directory / "report.md").read_text()
+    assert "| mute | stopped |" in (directory / "report.md").read_text()
 
     again = _sweep(path, directory)
     assert again.returncode == 0, again.stdout[-4000:] + again.stderr[-4000:]
-    assert "learns: finished earlier" in again.stdout and "frozen: stopped earlier" in again.stdout
+    assert "learns: finished earlier" in again.stdout and "mute: stopped earlier" in again.stdout
     assert "launched" not in again.stdout.replace("not launched again", "")
-    assert json.loads((directory / "sweep_state.json").read_text())["runs"]["frozen"]["launches"] == 1
+    assert json.loads((directory / "sweep_state.json").read_text())["runs"]["mute"]["launches"] == 1
