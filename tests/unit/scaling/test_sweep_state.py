@@ -7,6 +7,7 @@ each test injects (a crash, a hang). Real runs: tests/integration/scaling/test_s
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import yaml
 
 from megatron_rl.scaling.sweep import (
     STATE_FILE,
+    Interrupted,
     Progress,
     RunState,
     SweepError,
@@ -24,6 +26,7 @@ from megatron_rl.scaling.sweep import (
     run_sweep,
     save_state,
 )
+from megatron_rl.scaling.sweep_cli import main as sweep_main
 from megatron_rl.scaling.synthetic import synthetic_curve
 
 
@@ -209,3 +212,51 @@ def test_a_state_file_of_another_sweep_is_refused(tmp_path):
     (directory / STATE_FILE).write_text("{")
     with pytest.raises(SweepError, match="not a sweep state file"):
         load_state(directory, sweep)
+
+
+class Interrupting(Scripted):
+    """Scripted runs, and the sweep itself gets SIGTERM at its `at`-th poll of a run (the fault injected)."""
+
+    def __init__(self, plans, at: int) -> None:
+        super().__init__(plans)
+        self.polls, self.at = 0, at
+
+    def poll(self, state):
+        self.polls += 1
+        if self.polls == self.at:
+            raise Interrupted(signal.SIGTERM)
+        return super().poll(state)
+
+
+def test_an_interrupted_sweep_stops_its_runs_gracefully_and_the_next_one_relaunches_them(tmp_path):
+    sweep = _sweep(tmp_path, {"a": 6, "b": 6})
+    launcher = Interrupting({"a": (_rows(0.7, 6, 1), 0), "b": (_rows(0.6, 6, 2), 0)}, at=5)
+    with pytest.raises(Interrupted):
+        run_sweep(sweep, tmp_path / "sw", launcher, say=lambda line: None)
+    assert sorted(launcher.signals) == [("a", False), ("b", False)]  # SIGTERM each, nothing killed
+    saved = json.loads((tmp_path / "sw" / STATE_FILE).read_text())["runs"]
+    assert {n: (e["status"], e["reason"]) for n, e in saved.items()} == {
+        "a": ("interrupted", "the sweep was interrupted"),
+        "b": ("interrupted", "the sweep was interrupted"),
+    }
+    again = Scripted({"a": (_rows(0.7, 6, 1), 0), "b": (_rows(0.6, 6, 2), 0)})
+    runs = run_sweep(sweep, tmp_path / "sw", again, say=lambda line: None)
+    assert sorted(again.launched) == ["a", "b"] and all(s.status == "finished" for s in runs.values())
+    assert all(s.launches == 2 for s in runs.values())
+
+
+def test_the_command_lists_the_runs_of_a_sweep_file_and_refuses_a_bad_one_in_one_line(tmp_path, capsys):
+    good = tmp_path / "good.yaml"
+    good.write_text(yaml.safe_dump({"recipe": "scalerl-cpu", "axes": {"total_steps": [5, 10]}}))
+    assert sweep_main([str(good), "--check", "--dir", str(tmp_path / "sw")]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"sweep {good}: 2 runs, launcher local (parallel 1), rule none; directory {tmp_path / 'sw'}"
+    assert out[1:] == ["  total_steps-5: --recipe scalerl-cpu total_steps=5 (5 steps)",
+                       "  total_steps-10: --recipe scalerl-cpu total_steps=10 (10 steps)"]  # fmt: skip
+    assert not (tmp_path / "sw").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"recipe": "scalerl-cpu", "axes": {"total_stepz": [5]}}))
+    assert sweep_main([str(bad), "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megatron-rl sweep: {bad}: axes.total_stepz: total_stepz: unknown field of RunConfig")
+    assert err.count("\n") == 1
