@@ -194,7 +194,7 @@ def _run_of(label: str, params: Params, seed: int, case: Case, boot: int):
 def evaluate_verdicts(case: Case, seeds: int, boot: int) -> list[dict[str, object]]:
     counts: dict[tuple[float, float], dict[str, int]] = {}
     fit_s, decide_s = 0.0, 0.0
-    for seed in tqdm(range(seeds), desc=case.name[:40], leave=False):
+    for seed in tqdm(range(seeds), desc=case.name[:40], leave=False, disable=None):
         started = time.perf_counter()
         a = _run_of("a", case.a, 2 * seed, case, boot)
         b = _run_of("b", case.b, 2 * seed + 1, case, boot)
@@ -219,8 +219,11 @@ def evaluate_verdicts(case: Case, seeds: int, boot: int) -> list[dict[str, objec
     return rows
 
 
-def verdicts(seeds: int, boot: int) -> list[dict[str, object]]:
-    rows = [row for case in CASES for row in evaluate_verdicts(case, seeds, boot)]
+def verdicts(seeds: int, boot: int, only: str | None = None) -> list[dict[str, object]]:
+    cases = [case for case in CASES if only is None or only in case.name]
+    if not cases:
+        raise SystemExit(f"--only {only!r} matches no case of {[case.name for case in CASES]}")
+    rows = [row for case in cases for row in evaluate_verdicts(case, seeds, boot)]
     head = ["case", "margin", "target", "winner", "undecided", "crossover", "right", "wrong"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
@@ -255,11 +258,12 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=200)
     parser.add_argument("--boot", type=int, default=200)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--only", default=None, metavar="TEXT", help="verdicts: only the cases whose name has TEXT")
     args = parser.parse_args()
     started = time.perf_counter()
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; {args.seeds} seeds, "
           f"{args.boot} refits")  # fmt: skip
-    out = verdicts(args.seeds, args.boot) if args.part == "verdicts" else coverage(args.seeds, args.boot)
+    out = verdicts(args.seeds, args.boot, args.only) if args.part == "verdicts" else coverage(args.seeds, args.boot)
     print(f"({time.perf_counter() - started:.0f} s)")
     if args.json:
         with open(args.json, "w") as f:
