@@ -7,6 +7,7 @@ numpy, scipy and matplotlib only (never torch), so it runs anywhere the metrics 
     extrapolation.py  fit up to a compute cut, predict the rest
     curves.py         inputs: the metrics JSONL megatron_rl writes, CSV exports, run labels
     compare.py        recipes side by side, the paper's shared-A rule, tables per scaling axis
+    decision.py       winner / undecided / crossover between runs at a target compute, with run-to-run variation
     plot.py           the figure: points, fits, extrapolations, bands, the efficiency view
     live.py           the predicted asymptote logged at each evaluation of a training run
     synthetic.py      curves from the paper's Table 1 for tests, benchmarks and the docs figure

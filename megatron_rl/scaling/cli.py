@@ -21,6 +21,11 @@ run-to-run variation of a recipe (the paper's +/-0.02 on A) is in them only when
 under one label (label=path for each file, or the same --axis value): their points are fitted as one
 curve and the bootstrap resamples the runs as well.
 
+Decisions between two or more runs (scaling/decision.py), per pair at each --predict-at (else the end of the
+crossover range): winner, undecided, or crossover (each run ahead at --level on its side of C*), with a
+run-to-run term from --margin for each side that is a single run (two single runs of one recipe within
+--margin of each other 90% of the time; paper: 0.02).
+
 Exit status: 0 every curve fitted; 1 some could not be (each named on stderr and under "failed" in --json;
 the others are fitted, printed and plotted, the unfitted ones plotted as points); 2 none fitted or bad input.
 """
