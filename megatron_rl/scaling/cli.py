@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     decision = _decision(results, args) if _comparable(results) and args.bootstrap else None
     if decision is not None:
         print()
-        print(decision_table(decision[0], decision[2], args.level, args.margin))
+        print(decision_table(decision[2], args.level, args.margin))
     if compare:
         print()
         print(shared_table(shared, args.margin))
@@ -421,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         payload["failed"] = [{"label": c.label, "source": c.source, "reason": reason} for c, reason in failed]
         if decision is not None:
             payload["decision"] = {
-                "intervals": "joint bootstrap of the fitted curves (expected R at the compute, not a new evaluation)",
+                "intervals": "joint bootstrap of the fitted curves (expected R at the compute, not a new evaluation); "
+                "verdicts add the run-to-run variation of single runs (margin)",
                 "differences": [d.as_dict() for d in decision[0]],
                 "crossovers": [c.as_dict() for c in decision[1]],
                 "verdicts": [d.as_dict() for d in decision[2]],

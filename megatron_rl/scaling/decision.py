@@ -276,6 +276,9 @@ class Decision:
     """Crossover only: C*, the last compute before the target where the fitted curves change order."""
     crossover_interval: tuple[float, float] | None = None
     """Percentile interval of C* over the draws; -inf: below `start`, +inf: beyond the target."""
+    R_a: float = math.nan
+    """a's fitted curve at the target."""
+    R_b: float = math.nan
 
     def describe(self) -> str:
         where = f"at {_c(self.target)}" + (" (extrapolated)" if self.extrapolated else "")
@@ -306,7 +309,8 @@ class Decision:
             "a": self.a, "b": self.b, "target": self.target, "verdict": self.verdict, "leader": self.leader,
             "confidence": self.confidence, "margin": self.margin, "run_sd": self.run_sd, "diff": self.diff,
             "lo": self.interval[0], "hi": self.interval[1], "p_a_ahead": self.p_a_ahead,
-            "extrapolated": self.extrapolated, "start": self.start, "other_ahead_at": self.other_ahead_at,
+            "R_a": self.R_a, "R_b": self.R_b, "extrapolated": self.extrapolated, "start": self.start,
+            "other_ahead_at": self.other_ahead_at,
             "crossover": self.crossover,
         }  # fmt: skip
         if self.crossover_interval is not None:  # JSON has no infinity: an open end is null
@@ -363,12 +367,13 @@ def decide_pair(
     scores = norm.ppf((np.arange(n) + 0.5) / n)
     draws = draws_a[:n] - draws_b[:n] + sd * np.random.default_rng(0).permutation(scores)[:, None]
     lo, hi = np.quantile(draws, [(1 - confidence) / 2, (1 + confidence) / 2], axis=0)
-    fitted = a.fit.predict(c) - b.fit.predict(c)
+    R_a, R_b = a.fit.predict(c), b.fit.predict(c)
+    fitted = R_a - R_b
     last = min(float(a.curve.compute.max()), float(b.curve.compute.max()))
     decision = Decision(
         a.curve.label, b.curve.label, target, "undecided", None, confidence, margin if singles else 0.0, sd,
         float(fitted[-1]), (float(lo[-1]), float(hi[-1])), float(np.mean(draws[:, -1] > 0)), target > last,
-        float(c[0]),
+        float(c[0]), R_a=float(R_a[-1]), R_b=float(R_b[-1]),
     )  # fmt: skip
     if lo[-1] <= 0 <= hi[-1]:
         return decision
@@ -404,26 +409,21 @@ def decide_pairs(
     return [decide_pair(a, b, t, confidence, margin, start) for t in targets for a, b in combinations(results, 2)]
 
 
-def decision_table(differences: list[Difference], decisions: list[Decision], level: float, margin: float) -> str:
-    """Plain text: per compute, each pair's difference and P(ahead) by the bootstrap alone; then each pair's
-    decision (winner / undecided / crossover), which adds the run-to-run term."""
+def decision_table(decisions: list[Decision], level: float, margin: float) -> str:
+    """Plain text: per target, each pair's predictions, difference and P(ahead); then each pair's verdict."""
     lines = []
-    for d in differences:
+    for d in decisions:
         where = " (extrapolated)" if d.extrapolated else ""
         ahead = f"P({d.a} ahead) = {d.p_a_ahead:.2f}"
         lines.append(
-            f"at {_c(d.compute)}{where}: {d.a} {d.R_a:.3f} vs {d.b} {d.R_b:.3f}: difference {d.diff:+.3f} "
+            f"at {_c(d.target)}{where}: {d.a} {d.R_a:.3f} vs {d.b} {d.R_b:.3f}: difference {d.diff:+.3f} "
             f"[{d.interval[0]:+.3f}, {d.interval[1]:+.3f}], {ahead}"
         )
-    lines.append(
-        f"intervals: {level:.0%} joint bootstrap of the fitted curves (the expected pass rate at that compute, not "
-        "one new evaluation, which adds its own noise)"
-    )
     lines += [f"decision: {d.describe()}" for d in decisions]
-    if decisions:
-        lines.append(
-            f"decisions: {level:.0%} intervals of the bootstrap plus the run-to-run variation of single runs (two runs "
-            f"of one recipe within --margin {margin:g} 90% of the time; none added where both sides pool repeated "
-            "runs); a crossover needs each run ahead at that level on its side"
-        )
+    lines.append(
+        f"intervals and P(ahead): {level:.0%} joint bootstrap of the fitted curves (the expected pass rate at that "
+        "compute, not one new evaluation, which adds its own noise) plus the run-to-run variation of single runs "
+        f"(two runs of one recipe within --margin {margin:g} of each other 90% of the time; none added where both "
+        "sides pool repeated runs); a crossover needs each run ahead at that level on its side"
+    )
     return "\n".join(lines)

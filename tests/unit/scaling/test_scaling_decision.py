@@ -135,6 +135,8 @@ def test_fit_prints_and_writes_the_decision_and_refuses_mixed_units(tmp_path, ca
     verdict = decision["verdicts"][0]
     assert verdict["verdict"] == "crossover" and verdict["leader"] == "2048" and verdict["target"] == 100000
     assert verdict["crossover_lo"] < verdict["crossover"] < verdict["crossover_hi"]
+    # the printed difference at the target is the verdict's (bootstrap plus the run-to-run term)
+    assert f"[{verdict['lo']:+.3f}, {verdict['hi']:+.3f}], P(768 ahead) = {verdict['p_a_ahead']:.2f}" in text
     assert (tmp_path / "d.png").stat().st_size > 0
     c = _write(tmp_path / "c.jsonl", "cpu", _curve("cpu", **SMALL, seed=3), kind="cpu_core")
     assert fit_main([a, c, "--bootstrap", "0"]) == 2
@@ -190,7 +192,8 @@ def test_clearly_separated_runs_name_the_winner_and_margin_zero_is_the_bootstrap
     for target in (40000.0, 160000.0):
         d = decide_pair(a, b, target)
         assert d.verdict == "winner" and d.leader == "hi" and d.crossover is None and d.other_ahead_at is None
-        assert d.diff == pytest.approx(float(a.fit.predict([target])[0] - b.fit.predict([target])[0]))
+        assert (d.R_a, d.R_b) == pytest.approx((float(a.fit.predict([target])[0]), float(b.fit.predict([target])[0])))
+        assert d.diff == pytest.approx(d.R_a - d.R_b)
         assert d.extrapolated == (target > 40000.0)
         bare = decide_pair(a, b, target, margin=0.0)
         alone = difference(a, b, target)  # the joint bootstrap at one compute, computed on its own
