@@ -10,9 +10,10 @@ Both answer the same calls on a run's `RunState` (scaling/sweep.py):
 
 **Only what the sweep started is signalled.** Local runs start in their own session (`start_new_session`), so
 pid = process group id; the process's start time (field 22 of /proc/PID/stat, clock ticks since boot) is recorded
-with them, and a signal goes to the group only while the process with that pid has that start time: a pid the
-system reused for another process is never signalled. `megatron-rl train` ends the processes it started itself
-(orchestration/reaper.py), so signalling its group reaches the whole run.
+with them, and a signal goes out only while the process with that pid has that start time: a pid the system
+reused for another process is never signalled. The graceful stop is SIGTERM to `megatron-rl train` itself, which
+checkpoints and ends the processes it started (orchestration/stop.py, orchestration/reaper.py); the kill after the
+grace is SIGKILL to its whole process group.
 
 **Slurm.** Each run is one `sbatch` of slurm/bootstrap.sh (or `launcher.script`) with RECIPE, MODEL, OVERRIDES,
 RUN_NAME and OUTPUT_DIR in its environment, as the GPU launch scripts pass them. The bootstrap answers SIGTERM by
@@ -115,9 +116,15 @@ class LocalLauncher:
             return  # ended (and reaped): its pid may belong to someone else now
         if child is None and not self._ours(state):
             return
-        assert state.pgid is not None
+        assert state.pid is not None and state.pgid is not None
         with contextlib.suppress(ProcessLookupError):  # ended between the check and the signal
-            os.killpg(state.pgid, signal.SIGKILL if kill else signal.SIGTERM)
+            if kill:
+                os.killpg(state.pgid, signal.SIGKILL)
+            else:
+                # The driver alone: it checkpoints, then shuts down Ray and the engines it started. SIGTERM to the
+                # whole group also reached Ray's own processes, and a run stopped during start-up then died with
+                # "node timed out during startup" instead of ending cleanly (exit 143).
+                os.kill(state.pid, signal.SIGTERM)
 
 
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}

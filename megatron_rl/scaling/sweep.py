@@ -26,8 +26,9 @@ of the other: independent runs, scaling/decision.py), the share of draws in whic
 `margin`. A run whose asymptote is not identified yet has a wide upper bound, so it is not stopped: the rule errs
 towards running on.
 
-**Stopping and signals.** A run is stopped gracefully: SIGTERM to its process group (`megatron-rl train`
-checkpoints at the end of its step and exits; orchestration/stop.py), SIGKILL after `stop_grace_s`. The sweep signals
+**Stopping and signals.** A run is stopped gracefully: SIGTERM to `megatron-rl train` (it checkpoints at the end
+of its step and exits, ending what it started; orchestration/stop.py), SIGKILL to its process group after
+`stop_grace_s`. The sweep signals
 only runs it started: each launch records pid, process group and the process's start time (or the Slurm job id),
 and a signal goes out only while the process with that pid still has that start time.
 
