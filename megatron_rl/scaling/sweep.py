@@ -805,7 +805,7 @@ def run_sweep(
                     say(f"{verdict.run}: {verdict.describe()}")
                     launcher.stop(state)
             save_state(directory, sweep, runs)
-            say(_poll_line(runs, fits, wanted))
+            say(_poll_line(runs, fits, list(runs)))
             if all(runs[n].status not in ("pending", "running") for n in wanted):
                 return runs
             time.sleep(sweep.poll_s)

@@ -158,6 +158,10 @@ def _markdown(sweep: Sweep, payload: dict[str, Any], fits: dict[str, Result]) ->
             f"| {name} | {row['status']} | {row['steps']}/{row['total_steps']} | {row['device_hours']:.4g} | {A} | "
             f"{B} | {C} | {row['reason']} |"
         )
+    warned = [(name, w) for name, r in fits.items() for w in r.fit.warnings]
+    if warned:
+        lines += ["", "Fit warnings (read those intervals with care):", ""]
+        lines += [f"- {name}: {w}" for name, w in warned]
     if payload["decisions"]:
         lines += ["", "## Against the leader", ""]
         for d in payload["decisions"]:
