@@ -130,16 +130,17 @@ class LocalLauncher:
 TERMINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"}
 
 
-def parse_job(text: str) -> tuple[str | None, int | None]:
-    """(JobState, exit code) from `scontrol show job` output; (None, None) when the job is unknown."""
+def parse_job(text: str) -> tuple[str | None, int | None, int]:
+    """(JobState, exit code, restarts) from `scontrol show job` output; (None, None, 0) when the job is unknown."""
     state = re.search(r"JobState=(\S+)", text)
     code = re.search(r"ExitCode=(\d+):(\d+)", text)
+    restarts = re.search(r"Restarts=(\d+)", text)
     if state is None:
-        return None, None
+        return None, None, 0
     exit_code = None
     if code is not None:
         exit_code = int(code.group(1)) or (128 + int(code.group(2)) if int(code.group(2)) else 0)
-    return state.group(1), exit_code
+    return state.group(1), exit_code, int(restarts.group(1)) if restarts else 0
 
 
 def sbatch_command(spec: RunSpec, sweep: Sweep, directory: Path) -> tuple[list[str], dict[str, str]]:
@@ -166,6 +167,8 @@ class SlurmLauncher:
     def __init__(self, sweep: Sweep) -> None:
         self.sweep = sweep
         self.cancelled: set[str] = set()
+        self.stopped_at: dict[str, int] = {}
+        """Run -> the job's restart count when the stop was sent."""
 
     def log(self, state: RunState, directory: Path) -> Path:
         return directory / "logs" / f"{state.name}-{state.job_id}.out"
@@ -182,25 +185,28 @@ class SlurmLauncher:
         state.job_id = out.stdout.strip().split(";")[0]
         state.pid = state.pgid = state.start_time = None
 
-    def _job(self, state: RunState) -> tuple[str | None, int | None]:
+    def _job(self, state: RunState) -> tuple[str | None, int | None, int]:
         out = subprocess.run(["scontrol", "show", "job", str(state.job_id)], capture_output=True, text=True)
-        return parse_job(out.stdout) if out.returncode == 0 else (None, None)
+        return parse_job(out.stdout) if out.returncode == 0 else (None, None, 0)
 
     def alive(self, state: RunState) -> bool:
-        job_state, _ = self._job(state)
+        job_state, _, _ = self._job(state)
         return job_state is not None and job_state not in TERMINAL
 
     def attach(self, state: RunState) -> None:
         """Jobs are watched by id; nothing to do."""
 
     def poll(self, state: RunState) -> bool | int | None:
-        job_state, code = self._job(state)
+        job_state, code, restarts = self._job(state)
         if job_state is None:
             return None  # purged from the controller: ended, exit code not known
         if job_state in TERMINAL:
             return code
-        if state.stop is not None and state.name not in self.cancelled and job_state in ("PENDING", "REQUEUED"):
-            # The graceful stop requeued it (checkpoint written): cancel the pending job, which runs nothing.
+        requeued = job_state in ("PENDING", "REQUEUED") or restarts > self.stopped_at.get(state.name, restarts)
+        if state.stop is not None and state.name not in self.cancelled and requeued:
+            # The graceful stop requeued it (checkpoint written): cancel it. Pending, it runs nothing; started again
+            # already (a poll missed the pending spell), it resumed from that checkpoint and is ended as a cancel ends
+            # a job, which loses at most its start.
             subprocess.run(["scancel", str(state.job_id)], capture_output=True)
             self.cancelled.add(state.name)
         return False
@@ -208,6 +214,8 @@ class SlurmLauncher:
     def stop(self, state: RunState, kill: bool = False) -> None:
         if state.job_id is None:
             return
+        if not kill:
+            self.stopped_at[state.name] = self._job(state)[2]
         argv = ["scancel", str(state.job_id)] if kill else ["scancel", "--signal=TERM", "--batch", str(state.job_id)]
         subprocess.run(argv, capture_output=True)
 

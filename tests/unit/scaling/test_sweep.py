@@ -301,10 +301,14 @@ def test_a_value_with_a_space_cannot_go_through_slurm(tmp_path):
 @pytest.mark.parametrize(
     ("text", "parsed"),
     [
-        ("JobId=7 JobName=x\n   JobState=RUNNING Reason=None\n   ExitCode=0:0\n", ("RUNNING", 0)),
-        ("JobState=FAILED Reason=NonZeroExitCode\n ExitCode=3:0", ("FAILED", 3)),
-        ("JobState=CANCELLED Reason=None\n ExitCode=0:15", ("CANCELLED", 143)),
-        ("slurm_load_jobs error: Invalid job id specified", (None, None)),
+        (
+            "JobId=7 JobName=x\n   JobState=RUNNING Reason=None\n   Requeue=1 Restarts=0\n   ExitCode=0:0\n",
+            ("RUNNING", 0, 0),
+        ),
+        ("JobState=PENDING Reason=BeginTime\n Requeue=1 Restarts=1 BatchFlag=1\n ExitCode=0:0", ("PENDING", 0, 1)),
+        ("JobState=FAILED Reason=NonZeroExitCode\n ExitCode=3:0", ("FAILED", 3, 0)),
+        ("JobState=CANCELLED Reason=None\n ExitCode=0:15", ("CANCELLED", 143, 0)),
+        ("slurm_load_jobs error: Invalid job id specified", (None, None, 0)),
     ],
 )
 def test_scontrol_job_states(text, parsed):
