@@ -15,7 +15,8 @@ at two targets: the last evaluation and 4x it. Per case and target, over `--seed
 undecided / crossover verdicts, and of right and wrong calls. Right: the run named ahead at the target is the
 one whose recipe curve is ahead there, and for a crossover also: the recipe curves change order within
 [start, target] with the last change inside the stated interval of C*. Wrong: any other winner or crossover
-(on the same curve, every one). Target: at most 10% wrong on the same curve.
+(on the same curve, every one). Target: at most 10% wrong on the same curve. Cases "pooled" fit 2 or 3 runs per
+side as one curve, as `megatron-rl fit a=r1.jsonl a=r2.jsonl b=...` does.
 
 **Coverage** (`--part coverage`): two configurations shaped like a batch-size comparison (R0 = 0.30): "small"
 rises early to a lower ceiling (A 0.61, B 2.2, C_mid 6,000), "large" rises later to a higher one (A 0.70, B 1.5,
@@ -45,7 +46,7 @@ from scipy.optimize import brentq
 from tqdm import tqdm
 
 from megatron_rl.scaling.compare import fit_run
-from megatron_rl.scaling.curves import Curve
+from megatron_rl.scaling.curves import Curve, pool_runs
 from megatron_rl.scaling.decision import MARGIN, Decision, crossover, decide_pair, difference, run_sd
 from megatron_rl.scaling.fit import sigmoid
 from megatron_rl.scaling.synthetic import R0, TABLE1, synthetic_curve
@@ -136,17 +137,22 @@ class Case:
     run_to_run: float = RUN_SD
     """sd of each run's A around its recipe's."""
     margins: tuple[float, ...] = (MARGIN,)
+    runs: int = 1
+    """Repeated runs per side, pooled into one curve (`megatron-rl fit a=r1.jsonl a=r2.jsonl ...`)."""
 
 
 CASES = (
     Case("(a) same curve, evaluation noise only", EIGHT_B, EIGHT_B, 25_000.0, 0.0, (0.0, MARGIN)),
     Case("(a) same recipe, A varies run to run", EIGHT_B, EIGHT_B, 25_000.0, RUN_SD, (0.0, MARGIN)),
+    Case("(a) same recipe, 2 runs pooled per side", EIGHT_B, EIGHT_B, 25_000.0, RUN_SD, (0.0, MARGIN), runs=2),
+    Case("(a) same recipe, 3 runs pooled per side", EIGHT_B, EIGHT_B, 25_000.0, RUN_SD, (0.0, MARGIN), runs=3),
     Case("(b) crossover inside the data: 8B vs MoE", EIGHT_B, table1("moe-17bx16"), 40_000.0),
     Case("(b) crossover inside the data: batch 512 vs 2048", table1("batch-512"), table1("batch-2048"), 50_000.0),
     Case("(c) crossover beyond the data (31,857)", SMALL, LARGE, 20_000.0),
     Case("(d) one curve ahead everywhere: A 0.61 vs 0.66", EIGHT_B, (0.66, *EIGHT_B[1:]), 25_000.0),
     Case("(e) A differs by 0.01", EIGHT_B, (0.62, *EIGHT_B[1:]), 25_000.0),
     Case("(e) A differs by 0.03", EIGHT_B, (0.64, *EIGHT_B[1:]), 25_000.0),
+    Case("(e) A differs by 0.03, 2 runs pooled per side", EIGHT_B, (0.64, *EIGHT_B[1:]), 25_000.0, runs=2),
 )
 TARGETS = (1.0, 4.0)
 """Targets in units of the budget: the last evaluation, and an extrapolation to 4x."""
@@ -185,10 +191,17 @@ def judge(decision: Decision, case: Case) -> str:
 
 
 def _run_of(label: str, params: Params, seed: int, case: Case, boot: int):
-    rng = np.random.default_rng([seed, 7])
-    A = params[0] + rng.normal(0.0, case.run_to_run) if case.run_to_run else params[0]
-    c, R = synthetic_curve(A, *params[1:], noise=NOISE, seed=seed, points=EVALS, max_compute=case.budget, phi=PHI)
-    return fit_run(Curve(label, c, R, f"{label}-{seed}"), n_boot=boot, seed=seed)
+    """One side of a pair: `case.runs` runs of the recipe `params`, each with its own A and noise, fitted as one."""
+    parts = []
+    for j in range(case.runs):
+        run_seed = seed if case.runs == 1 else 10 * seed + j
+        rng = np.random.default_rng([run_seed, 7])
+        A = params[0] + rng.normal(0.0, case.run_to_run) if case.run_to_run else params[0]
+        c, R = synthetic_curve(
+            A, *params[1:], noise=NOISE, seed=run_seed, points=EVALS, max_compute=case.budget, phi=PHI
+        )
+        parts.append(Curve(label, c, R, f"{label}-{run_seed}"))
+    return fit_run(pool_runs(parts), n_boot=boot, seed=seed)
 
 
 def evaluate_verdicts(case: Case, seeds: int, boot: int) -> list[dict[str, object]]:

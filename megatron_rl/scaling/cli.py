@@ -23,8 +23,8 @@ curve and the bootstrap resamples the runs as well.
 
 Decisions between two or more runs (scaling/decision.py), per pair at each --predict-at (else the end of the
 crossover range): winner, undecided, or crossover (each run ahead at --level on its side of C*), with a
-run-to-run term from --margin for each side that is a single run (two single runs of one recipe within
---margin of each other 90% of the time; paper: 0.02).
+run-to-run term from --margin (two single runs of one recipe within --margin of each other 90% of the
+time; paper: 0.02), divided by sqrt(k) for a label that pools k runs.
 
 Exit status: 0 every curve fitted; 1 some could not be (each named on stderr and under "failed" in --json;
 the others are fitted, printed and plotted, the unfitted ones plotted as points); 2 none fitted or bad input.
@@ -422,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         if decision is not None:
             payload["decision"] = {
                 "intervals": "joint bootstrap of the fitted curves (expected R at the compute, not a new evaluation); "
-                "verdicts add the run-to-run variation of single runs (margin)",
+                "verdicts add the run-to-run variation of the runs (margin)",
                 "differences": [d.as_dict() for d in decision[0]],
                 "crossovers": [c.as_dict() for c in decision[1]],
                 "verdicts": [d.as_dict() for d in decision[2]],

@@ -23,13 +23,16 @@ recipe differ by more: the paper's three repeated runs gave A within +/-0.015, a
 as the same. On runs whose A varies that much, 90% bootstrap intervals of one run cover its recipe's A about
 half the time (benchmarks/README.md, "Coverage of a recipe's A over repeated runs"), and two single runs of
 one recipe are called apart far more often than 10% (the calibration below). So `decide_pair` adds to each
-draw of R_a - R_b a run-to-run term: for each side that is a single run, a normal shift of sd
-`run_sd(margin)` = margin / (1.645 sqrt 2) (two single runs of one recipe then differ by less than `margin`
-90% of the time; `margin` defaults to the paper's 0.02: sd 0.0086 per run). A side that pools repeated runs
-carries its run-to-run spread in its own refits and adds none. The shift is the same at every compute of
-a draw (it moves the whole curve), so it also moves C*; it is as large where the curves are still at R0 as
-later, which keeps the few thousandths by which fitted curves differ there, where the law's shape and not
-the data decides, from counting as an ordering. `margin=0` decides on the bootstrap alone.
+draw of R_a - R_b a run-to-run term: a normal shift of sd `run_sd(margin)` = margin / (1.645 sqrt 2) per
+single run (two single runs of one recipe then differ by less than `margin` 90% of the time; `margin`
+defaults to the paper's 0.02: sd 0.0086 per run), and of sd run_sd / sqrt(k) for a side that pools k
+repeated runs (the mean of k runs' deviations). Such a side's refits resample its runs as well, but two or
+three runs measure their spread too poorly for the tails of an interval: on pairs of 2- or 3-run groups of
+one recipe the bootstrap alone names a winner in about 15% of the pairs, with the term in about 2% (the
+calibration below; conservative, since the spread is then partly counted twice). The shift is the same at
+every compute of a draw (it moves the whole curve), so it also moves C*; it is as large where the curves are
+still at R0 as later, which keeps the few thousandths by which fitted curves differ there, where the law's
+shape and not the data decides, from counting as an ordering. `margin=0` decides on the bootstrap alone.
 
 **The verdict** at a target compute T, at `confidence` (default 0.9), from these draws on a log grid from
 `start` (default: the later of the two runs' first fitted evaluation) to T:
@@ -258,9 +261,10 @@ class Decision:
     """The run ahead at the target (None when undecided)."""
     confidence: float
     margin: float
-    """The run-to-run margin the decision was made with (0 when both sides pool repeated runs)."""
+    """The run-to-run margin the decision was made with (0: the bootstrap alone)."""
     run_sd: float
-    """Standard deviation of the run-to-run term added to R_a - R_b (from `margin`; 0 when not applied)."""
+    """Standard deviation of the run-to-run term added to R_a - R_b: run_sd(margin) sqrt(1/k_a + 1/k_b) for
+    sides of k_a and k_b pooled runs (1 for a single run)."""
     diff: float
     """R_a - R_b of the fitted curves at the target."""
     interval: tuple[float, float]
@@ -345,8 +349,8 @@ def decide_pair(
     the ordering tested from `start` (default: where both runs have fitted evaluations) to the target.
 
     The difference R_a - R_b is drawn from the joint bootstrap (refit i of a against refit i of b) plus a
-    run-to-run term of sd `run_sd(margin)` for each side that is a single run (module docstring). With
-    `margin=0` the decision rests on the bootstrap alone."""
+    run-to-run term of sd `run_sd(margin)` for each side that is a single run, divided by sqrt(k) for a side
+    that pools k runs (module docstring). With `margin=0` the decision rests on the bootstrap alone."""
     if not 0 < confidence < 1:
         raise FitError(f"confidence must be in (0, 1), got {confidence}")
     if margin < 0 or not math.isfinite(margin):
@@ -360,8 +364,8 @@ def decide_pair(
     c = np.exp(logc) if logc is not None else np.array([target])
     draws_a, draws_b = _draws(a, c), _draws(b, c)
     n = min(draws_a.shape[0], draws_b.shape[0])
-    singles = sum(r.boot is not None and r.boot.runs < 2 for r in (a, b))
-    sd = run_sd(margin) * math.sqrt(singles)
+    # Each side's curve deviates from its recipe's by the mean of its runs' deviations: sd run_sd / sqrt(k).
+    sd = run_sd(margin) * math.sqrt(sum(1 / max(r.boot.runs if r.boot is not None else 1, 1) for r in (a, b)))
     # The run-to-run term shifts a draw's whole difference curve: stratified normal scores (no Monte Carlo
     # noise of their own), in a fixed random order so that they pair with the refits at random.
     scores = norm.ppf((np.arange(n) + 0.5) / n)
@@ -371,7 +375,7 @@ def decide_pair(
     fitted = R_a - R_b
     last = min(float(a.curve.compute.max()), float(b.curve.compute.max()))
     decision = Decision(
-        a.curve.label, b.curve.label, target, "undecided", None, confidence, margin if singles else 0.0, sd,
+        a.curve.label, b.curve.label, target, "undecided", None, confidence, margin, sd,
         float(fitted[-1]), (float(lo[-1]), float(hi[-1])), float(np.mean(draws[:, -1] > 0)), target > last,
         float(c[0]), R_a=float(R_a[-1]), R_b=float(R_b[-1]),
     )  # fmt: skip
@@ -422,8 +426,8 @@ def decision_table(decisions: list[Decision], level: float, margin: float) -> st
     lines += [f"decision: {d.describe()}" for d in decisions]
     lines.append(
         f"intervals and P(ahead): {level:.0%} joint bootstrap of the fitted curves (the expected pass rate at that "
-        "compute, not one new evaluation, which adds its own noise) plus the run-to-run variation of single runs "
-        f"(two runs of one recipe within --margin {margin:g} of each other 90% of the time; none added where both "
-        "sides pool repeated runs); a crossover needs each run ahead at that level on its side"
+        "compute, not one new evaluation, which adds its own noise) plus the run-to-run variation of the runs "
+        f"(two runs of one recipe within --margin {margin:g} of each other 90% of the time; a label pooling k runs: "
+        "1/sqrt(k) of that); a crossover needs each run ahead at that level on its side"
     )
     return "\n".join(lines)

@@ -233,7 +233,7 @@ def test_a_sharp_crossover_inside_the_data_is_found_with_its_interval():
     assert [x.verdict for x in decide_pairs([early, late], [8000.0, 40000.0])] == ["winner", "crossover"]
 
 
-def test_pooled_repeated_runs_carry_their_own_run_to_run_variation():
+def test_pooled_repeated_runs_add_the_run_to_run_term_of_their_mean():
     def pooled(label: str, seeds: tuple[int, ...], A: float):
         parts = [_curve(label, A, 2.2, 6000.0, seed, c_max=20000.0) for seed in seeds]
         for i, part in enumerate(parts):
@@ -241,10 +241,13 @@ def test_pooled_repeated_runs_carry_their_own_run_to_run_variation():
         return fit_run(pool_runs(parts), n_boot=100)
 
     a, b, single = pooled("a", (1, 2), 0.61), pooled("b", (3, 4), 0.62), _run("c", 0.61, 2.2, 6000.0, seed=5)
+    # a side of k pooled runs deviates from its recipe by the mean of k runs' deviations: sd run_sd / sqrt(k)
     both = decide_pair(a, b, 20000.0)
-    assert both.margin == 0.0 and both.run_sd == 0.0  # their bootstraps resample the runs
+    assert a.boot.runs == b.boot.runs == 2 and both.margin == 0.02
+    assert both.run_sd == pytest.approx(run_sd(0.02) * math.sqrt(1 / 2 + 1 / 2))
     one = decide_pair(a, single, 20000.0)
-    assert one.margin == 0.02 and one.run_sd == pytest.approx(run_sd(0.02))  # the single run's term only
+    assert one.run_sd == pytest.approx(run_sd(0.02) * math.sqrt(1 / 2 + 1))
+    assert decide_pair(a, b, 20000.0, margin=0.0).run_sd == 0.0
 
 
 def test_bad_decision_input_is_refused(separated):
