@@ -770,8 +770,9 @@ def run_sweep(
                         say(f"{name}: {note}")
                 if p.size != sizes.get(name):
                     sizes[name], last_growth[name] = p.size, now
-                if len(p.evals) != fitted_at.get(name):
-                    fitted_at[name] = len(p.evals)
+                points = hash(tuple(p.evals))  # a new evaluation, or a value replaced (the final evaluation's row)
+                if points != fitted_at.get(name):
+                    fitted_at[name] = points
                     fit = fit_progress(name, p, str(metrics), sweep.fit)
                     if isinstance(fit, Result):
                         fits[name] = fit

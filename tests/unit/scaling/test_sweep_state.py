@@ -19,9 +19,11 @@ from megatron_rl.scaling.sweep import (
     Progress,
     RunState,
     SweepError,
+    fit_progress,
     load_state,
     load_sweep,
     outcome,
+    read_progress,
     resume_action,
     run_sweep,
     save_state,
@@ -260,3 +262,16 @@ def test_the_command_lists_the_runs_of_a_sweep_file_and_refuses_a_bad_one_in_one
     err = capsys.readouterr().err
     assert err.startswith(f"megatron-rl sweep: {bad}: axes.total_stepz: total_stepz: unknown field of RunConfig")
     assert err.count("\n") == 1
+
+
+def test_the_live_fit_follows_a_replaced_value_of_the_last_step(tmp_path):
+    # The final evaluation is a second row of the last step: its value replaces the step's, with no new point.
+    sweep = _sweep(tmp_path, {"a": 6})
+    rows = _rows(0.7, 6, 1)
+    final = {**rows[-1], "val/pass_rate": rows[-1]["val/pass_rate"] + 0.05}
+    lines: list[str] = []
+    run_sweep(sweep, tmp_path / "sw", Scripted({"a": ([*rows, final], 0)}), say=lines.append)
+    progress = read_progress(tmp_path / "sw" / "a" / "metrics.jsonl")
+    assert progress.evals[-1][2] == final["val/pass_rate"] and progress.relogged == 0
+    fit = fit_progress("a", progress, "a", sweep.fit)
+    assert lines[-1].startswith("a finished 6/6 ") and f"A={fit.fit.A:.3f}" in lines[-1], lines[-1]
