@@ -28,7 +28,7 @@ single run (two single runs of one recipe then differ by less than `margin` 90% 
 defaults to the paper's 0.02: sd 0.0086 per run), and of sd run_sd / sqrt(k) for a side that pools k
 repeated runs (the mean of k runs' deviations). Such a side's refits resample its runs as well, but two or
 three runs measure their spread too poorly for the tails of an interval: on pairs of 2- or 3-run groups of
-one recipe the bootstrap alone names a winner in about 15% of the pairs, with the term in about 2% (the
+one recipe the bootstrap alone names a winner in 12-16% of the pairs, with the term in 2-4% (the
 calibration below; conservative, since the spread is then partly counted twice). The shift is the same at
 every compute of a draw (it moves the whole curve), so it also moves C*; it is as large where the curves are
 still at R0 as later, which keeps the few thousandths by which fitted curves differ there, where the law's
