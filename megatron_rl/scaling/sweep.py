@@ -540,9 +540,14 @@ def leader_of(fits: dict[str, Result], compare: str | float) -> str | None:
 
 
 def rule_verdicts(
-    fits: dict[str, Result], progress: dict[str, Progress], candidates: list[str], stopping: Stopping
+    fits: dict[str, Result],
+    progress: dict[str, Progress],
+    candidates: list[str],
+    stopping: Stopping,
+    problems: list[str] | None = None,
 ) -> list[Verdict]:
-    """The rule over the fitted runs: a verdict for each candidate (a running run) that is judged now."""
+    """The rule over the fitted runs: a verdict for each candidate (a running run) that is judged now. A pair the
+    decision cannot be made for is left unjudged, the reason appended to `problems`."""
     if stopping.rule == "none":
         return []
     eligible = {n: r for n, r in fits.items() if len(progress[n].evals) - 1 >= stopping.min_evals}
@@ -553,7 +558,11 @@ def rule_verdicts(
     for name in candidates:
         if name == leader or name not in eligible or progress[name].device_hours < stopping.min_compute:
             continue
-        verdicts.append(judge(eligible[leader], eligible[name], stopping))
+        try:
+            verdicts.append(judge(eligible[leader], eligible[name], stopping))
+        except FitError as exc:
+            if problems is not None:
+                problems.append(f"{name}: not judged against {leader}: {exc}")
     return verdicts
 
 
@@ -754,7 +763,12 @@ def run_sweep(
             pending = [n for n in wanted if runs[n].status == "pending"]
             for name in pending[: max(0, sweep.parallel - len(active))]:
                 state = runs[name]
-                launcher.launch(specs[name], state, directory)
+                try:
+                    launcher.launch(specs[name], state, directory)
+                except (RuntimeError, OSError) as exc:  # sbatch refused it, the command could not start
+                    state.status, state.reason = "crashed", f"not launched: {' '.join(str(exc).split())}"
+                    say(f"{name}: {state.reason}")
+                    continue
                 state.status, state.launches = "running", state.launches + 1
                 last_growth[name] = time.monotonic()
                 say(f"{name}: launched ({launcher.describe(state)}), log {launcher.log(state, directory)}")
@@ -798,7 +812,11 @@ def run_sweep(
                     launcher.stop(state, kill=True)
                     signalled[name] = math.inf
             running = [n for n in wanted if runs[n].status == "running" and runs[n].stop is None]
-            for verdict in rule_verdicts(fits, progress, running, sweep.stopping):
+            problems: list[str] = []
+            verdicts = rule_verdicts(fits, progress, running, sweep.stopping, problems)
+            for problem in problems:
+                say(problem)
+            for verdict in verdicts:
                 if verdict.stop:
                     state = runs[verdict.run]
                     state.stop = {"kind": "rule", "why": verdict.describe(), **asdict(verdict)}

@@ -275,3 +275,25 @@ def test_the_live_fit_follows_a_replaced_value_of_the_last_step(tmp_path):
     assert progress.evals[-1][2] == final["val/pass_rate"] and progress.relogged == 0
     fit = fit_progress("a", progress, "a", sweep.fit)
     assert lines[-1].startswith("a finished 6/6 ") and f"A={fit.fit.A:.3f}" in lines[-1], lines[-1]
+
+
+class Refusing(Scripted):
+    """Scripted runs whose launch of `refused` fails, as sbatch refusing a job does (the fault injected)."""
+
+    def __init__(self, plans, refused: str) -> None:
+        super().__init__(plans)
+        self.refused = refused
+
+    def launch(self, spec, state, directory):
+        if state.name == self.refused:
+            raise RuntimeError(f"sbatch for {state.name} failed (exit code 1): sbatch: error: Invalid partition\n")
+        super().launch(spec, state, directory)
+
+
+def test_a_run_that_cannot_be_launched_is_named_and_the_others_go_on(tmp_path):
+    sweep = _sweep(tmp_path, {"a": 6, "b": 6})
+    lines: list[str] = []
+    runs = run_sweep(sweep, tmp_path / "sw", Refusing({"b": (_rows(0.7, 6, 1), 0)}, "a"), say=lines.append)
+    reason = "not launched: sbatch for a failed (exit code 1): sbatch: error: Invalid partition"
+    assert (runs["a"].status, runs["a"].reason, runs["a"].launches) == ("crashed", reason, 0)
+    assert runs["b"].status == "finished" and f"a: {reason}" in lines
