@@ -1,4 +1,4 @@
-"""The driver killed with SIGKILL five times at random points, then run to the end with the same command.
+"""The driver killed with SIGKILL three times at random points, then run to the end with the same command.
 
 A real `megatron-rl train` of the CPU recipe (SGLang, megatron-core, Ray, reward workers) in a session of
 its own. Each launch is killed a random 0-1.5 s after it wrote a new checkpoint, so the kills land in
@@ -30,7 +30,7 @@ from megatron_rl.data.datasets import load_splits
 
 pytestmark = [pytest.mark.slow, pytest.mark.run]
 
-TOTAL_STEPS, EVERY, KILLS = 24, 2, 5
+TOTAL_STEPS, EVERY, KILLS = 16, 2, 3
 ARGS = small_run(
     f"total_steps={TOTAL_STEPS}",
     f"checkpoint.every_steps={EVERY}",
