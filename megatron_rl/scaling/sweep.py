@@ -330,7 +330,11 @@ def load_sweep(path: str | Path) -> Sweep:
     if kind not in LAUNCHERS:
         raise _fail(path, "launcher.kind", f"{kind!r} is not one of {list(LAUNCHERS)}")
     parallel = int(_number(launch, "parallel", 1, path, "launcher.", low=1))
-    slurm = {k: launch[k] for k in ("script", "sbatch_args") if k in launch}
+    slurm: dict[str, Any] = {k: launch[k] for k in ("script", "sbatch_args") if k in launch}
+    if not isinstance(slurm.get("sbatch_args", []), list):
+        raise _fail(path, "launcher.sbatch_args", f"expected a list of sbatch options, got {slurm['sbatch_args']!r}")
+    if not isinstance(slurm.get("script", ""), str):
+        raise _fail(path, "launcher.script", f"expected a path to a batch script, got {slurm['script']!r}")
     if kind == "slurm":
         for run in runs:  # slurm/bootstrap.sh splits OVERRIDES on spaces
             spaced = [o for o in run.overrides if " " in o]
@@ -882,8 +886,9 @@ def _poll_line(runs: dict[str, RunState], fits: dict[str, Result], wanted: list[
     for name in wanted:
         s = runs[name]
         text = f"{name} {s.status} {s.last_step}/{s.total_steps} {s.device_hours:.3g}h"
-        if name in fits and fits[name].boot is not None:
-            lo, hi = fits[name].boot.interval("A")
+        boot = fits[name].boot if name in fits else None
+        if boot is not None:
+            lo, hi = boot.interval("A")
             text += f" A={fits[name].fit.A:.3f} [{lo:.3f}, {hi:.3f}]"
         parts.append(text)
     return "; ".join(parts)

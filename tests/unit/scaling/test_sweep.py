@@ -108,6 +108,7 @@ def test_recipe_axis_and_explicit_runs(tmp_path):
         ({"axes": {"total_steps": [5]}, "stopping": {"rule": "halve"}}, "stopping.rule: 'halve' is not one of"),
         ({"axes": {"total_steps": [5]}, "stopping": {"confidence": 1.5}}, "stopping.confidence: must be in (0, 1)"),
         ({"axes": {"total_steps": [5]}, "launcher": {"kind": "k8s"}}, "launcher.kind: 'k8s' is not one of"),
+        ({"axes": {"total_steps": [5]}, "launcher": {"sbatch_args": "--nodes=2"}}, "launcher.sbatch_args: expected a"),
         ({"runs": [{"name": "a"}, {"name": "a"}]}, "runs: run names must differ; ['a']"),
         ({}, "axes: the sweep has no runs"),
     ],
