@@ -654,6 +654,8 @@ def outcome(state: RunState, exit_code: int | None, progress: Progress) -> tuple
     """(status, reason) of a run whose process ended. `exit_code` None: the process was not this sweep process's
     child (re-attached), so the metrics tell whether it finished."""
     done = progress.last_step >= state.total_steps
+    if state.stop is not None and done and exit_code in (0, None):
+        return "finished", f"{progress.last_step} of {state.total_steps} steps (it ended before the stop took effect)"
     if state.stop is not None:
         why = state.stop.get("why", "stopped")
         if state.stop.get("kind") == "stall":

@@ -193,6 +193,7 @@ def test_outcome_of_an_ended_process():
     assert outcome(state, None, Progress(last_step=4))[1].startswith("ended at step 4 of 10; exit code unknown")
     state.stop = {"kind": "rule", "why": "stop r: ..."}
     assert outcome(state, 0, Progress(last_step=4)) == ("stopped", "stop r: ... (at step 4 of 10, exit code 0)")
+    assert outcome(state, 0, Progress(last_step=10))[0] == "finished"  # the stop came after its last step
     state.stop = {"kind": "stall", "why": "stalled: no new metrics for 31 s (stall_timeout_s)"}
     assert outcome(state, 143, Progress(last_step=4))[0] == "stalled"
 
