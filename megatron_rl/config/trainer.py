@@ -218,6 +218,8 @@ class TrainerConfig:
     """(CPU demo) share of the warm-up's solutions of a dataset that declares the `python` tool which call it
     (`print(a + b)`, its output boxed; the slip copies an operand wrong) instead of working by hand: the policy
     learns the call syntax and an error rate, and RL finds out when calling pays."""
+    warm_start_tool_slip: float | None = None
+    """(CPU demo) chance that a warm-up tool solution miscopies an operand into its call; None = `warm_start_slip`."""
     layer_spec: Literal["auto", "transformer_engine", "local"] = "auto"
     """auto = Transformer Engine when importable and CUDA is present, else megatron-core's local spec."""
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
@@ -229,5 +231,7 @@ class TrainerConfig:
             fail("warm_start_steps", f"must be >= 0, got {self.warm_start_steps}")
         if not 0.0 <= self.warm_start_slip < 1.0:
             fail("warm_start_slip", f"must be in [0, 1), got {self.warm_start_slip}")
+        if self.warm_start_tool_slip is not None and not 0.0 <= self.warm_start_tool_slip < 1.0:
+            fail("warm_start_tool_slip", f"must be in [0, 1), got {self.warm_start_tool_slip}")
         if not 0.0 <= self.warm_start_tool_share <= 1.0:
             fail("warm_start_tool_share", f"must be in [0, 1], got {self.warm_start_tool_share}")

@@ -50,6 +50,8 @@ class WarmupTask:
     tool_share: float = 0.0
     """Share of this task's solutions that call the tool (`trainer.warm_start_tool_share` where the dataset
     declares `python`)."""
+    tool_slip: float | None = None
+    """The slip of those solutions (`trainer.warm_start_tool_slip`); None = the warm-up's `slip`."""
 
 
 def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -> Path:
@@ -81,7 +83,8 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
                 f"trainer.warm_start_tool_share: data.datasets[{i}] ({dataset.source}) has no tool solutions; "
                 f"tasks with them: {sorted(PROGRAMS)}"
             )
-        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight, PROGRAMS.get(name), share))
+        program, tool_slip = PROGRAMS.get(name), run.trainer.warm_start_tool_slip
+        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight, program, share, tool_slip))
     names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
     out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
     slip = run.trainer.warm_start_slip
@@ -141,6 +144,8 @@ def warm_start(
     if any(t.tool_share for t in tasks):
         assert tools is not None, "a warm-up with tool solutions needs the tools' format"
         inputs.append([[t.tool_share for t in tasks], tools.call_start, tools.call_end, tools.response_template])
+        if any(t.tool_slip is not None for t in tasks):
+            inputs.append([t.tool_slip for t in tasks])
     key = hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]
     out_dir = out_dir.with_name(f"{out_dir.name}-{key}")
     if _complete(out_dir, key):
@@ -236,7 +241,8 @@ def solution_segments(
     """A worked solution of `prompt` as (text, trained) segments: the policy's text, and a tool's output, which
     the environment writes (not trained on). A share `task.tool_share` of them calls the Python tool."""
     if task.tool_share and task.program is not None and tools is not None and rng.random() < task.tool_share:
-        code, output = task.program(prompt.prompt, slip=slip, rng=rng)
+        tool_slip = slip if task.tool_slip is None else task.tool_slip
+        code, output = task.program(prompt.prompt, slip=tool_slip, rng=rng)
         return [
             ("<think>" + format_call("python", {"code": code}, tools), True),
             (tools.response_template.format(output=output), False),

@@ -109,3 +109,8 @@ def test_a_tool_solution_trains_the_call_and_the_answer_never_the_tools_output(t
 
     slipped = {arithmetic_program("What is 48 + 75?", slip=0.999, rng=random.Random(seed)) for seed in range(20)}
     assert slipped == {("print(48 + 74)", "122"), ("print(48 + 76)", "124")}
+    # the tool solutions' own slip (trainer.warm_start_tool_slip) overrides the warm-up's
+    exact = WarmupTask([prompt], arithmetic_solution, program=arithmetic_program, tool_share=1.0, tool_slip=0.0)
+    for seed in range(10):
+        call, _, _ = solution_segments(exact, prompt, 0.999, random.Random(seed), tools, tokenizer.eos_token)
+        assert "print(48 + 75)" in call[0]
