@@ -13,9 +13,12 @@
 #    all the job's CPUs there), and waits until the cluster has every node;
 # 3. runs `megatron-rl train` on the head node, which places the trainer ranks and SGLang engines on the
 #    cluster's GPUs through Ray (RAY_ADDRESS);
-# 4. on Slurm's pre-timeout signal (#SBATCH --signal=B:USR1@<seconds>) or on scancel's SIGTERM, tells the run
-#    to checkpoint at the end of its step and exit, then requeues the job (#SBATCH --requeue): the requeued
-#    job resumes from that checkpoint (same run name, same output directory).
+# 4. on Slurm's pre-timeout signal (#SBATCH --signal=B:USR1@<seconds>) or a SIGTERM sent to a running job
+#    (`scancel --signal=TERM --batch JOB`), tells the run to checkpoint at the end of its step and exit, then
+#    requeues the job (#SBATCH --requeue): the requeued job resumes from that checkpoint (same run name, same
+#    output directory); so does the time limit's SIGTERM, for a job submitted without the pre-timeout signal.
+#    A cancelled job (`scancel JOB`: COMPLETING when its steps get TERM) checkpoints within KillWait and ends,
+#    unrequeued: a cancel is not undone by a requeue.
 #
 # A step that fails ends the job at once with one line, `[bootstrap] <step> failed (exit code N)`, and the
 # step's exit code as the job's; the Ray processes already started are stopped.
@@ -40,9 +43,16 @@ if [ -n "${MRL_SETUP:-}" ]; then
 fi
 
 stop_requested=0
+cancelled=0
 train_pid=""
-forward() {  # checkpoint and exit at the end of the current step, then requeue
+job_cancelled() {  # scancel JOB: COMPLETING before its steps get TERM (so is a time limit, with its reason)
+  local job
+  [ -n "${SLURM_JOB_ID:-}" ] && job=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
+  [[ $job == *"JobState=COMPLETING"* && $job != *"Reason=TimeLimit"* ]]
+}
+forward() {  # checkpoint and exit at the end of the current step, then requeue unless the job was cancelled
   stop_requested=1
+  if [ "$1" = TERM ] && job_cancelled; then cancelled=1; fi
   if [ -n "$train_pid" ]; then
     echo "[bootstrap] $1 received: asking the run to checkpoint and stop"
     kill -USR1 "$train_pid" 2>/dev/null || true
@@ -75,7 +85,9 @@ stop_ray() {
 requeue_if_stopped() {  # after a stop signal: stop Ray and requeue; the requeued job resumes from the checkpoint
   [ "$stop_requested" = 1 ] || return 0
   stop_ray
-  if [ -n "${SLURM_JOB_ID:-}" ]; then
+  if [ "$cancelled" = 1 ]; then
+    echo "[bootstrap] job $SLURM_JOB_ID was cancelled (scancel): not requeued"
+  elif [ -n "${SLURM_JOB_ID:-}" ]; then
     echo "[bootstrap] requeueing job $SLURM_JOB_ID: it resumes from the run's last checkpoint"
     scontrol requeue "$SLURM_JOB_ID"
   fi

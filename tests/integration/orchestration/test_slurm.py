@@ -46,7 +46,16 @@ def slurm():
     subprocess.run(["bash", str(ROOT / "tools" / "slurm_localhost.sh"), "stop"], capture_output=True)
 
 
+def _node_free() -> None:
+    """Waits until no job is left on the node (each test's jobs start at once and time their own end)."""
+    deadline = time.time() + 180
+    while queue := _sh("squeue -h -o '%i %T'").strip():
+        assert time.time() < deadline, f"jobs still on the node after 180 s: {queue}"
+        time.sleep(2)
+
+
 def _submit(tmp: Path, name: str, overrides: str) -> str:
+    _node_free()
     setup = tmp / "setup.sh"
     setup.write_text(f"export PATH={VENV_BIN}:$PATH\nexport PYTHONWARNINGS=ignore WANDB_MODE=offline\n")
     env = dict(
@@ -74,6 +83,7 @@ PROBE = Path(__file__).with_name("slurm_probe.py")
 def _submit_probe(tmp: Path, name: str, fake_ray: str | None = None, **env: str) -> str:
     """A job of the bootstrap whose `megatron-rl` is slurm_probe.py; `fake_ray`: a `ray` command (a shell script's
     body) first on PATH, a fault injected into the Ray steps."""
+    _node_free()
     path = f"{VENV_BIN}:$PATH"
     if fake_ray is not None:
         (tmp / "bin").mkdir()
@@ -198,7 +208,13 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path, slurm):
         time.sleep(3)
     assert rows[len(first)] == first[-1] + 1
     assert "resumed from" in _logs(tmp_path, "requeue")
+    # a user's scancel ends the job: the run checkpoints, and the bootstrap does not undo the cancel with a requeue
     _sh(f"scancel {job}")
+    state, restarts = _wait(job, lambda s, r: s in ENDED, timeout=180)
+    assert (state, restarts) == ("CANCELLED", 1)
+    time.sleep(5)
+    assert _state(job) == ("CANCELLED", 1)
+    assert f"[bootstrap] job {job} was cancelled (scancel): not requeued" in _logs(tmp_path, "requeue")
 
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT")
@@ -269,6 +285,7 @@ def test_the_pre_timeout_signal_while_ray_starts_requeues_the_job(tmp_path, slur
         assert f"[bootstrap] requeueing job {job}" in log
     finally:
         _sh(f"scancel {job}")
+        _wait(job, lambda s, r: s in ENDED, timeout=180)
 
 
 @pytest.mark.parametrize("script", ["scalerl_moe.sh", "scalerl_dense.sh"])
