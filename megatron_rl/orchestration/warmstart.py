@@ -14,14 +14,16 @@ concurrent ones never read a half-written policy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,6 +152,44 @@ def warm_start(
     out_dir = out_dir.with_name(f"{out_dir.name}-{key}")
     if _complete(out_dir, key):
         return out_dir  # the driver holds no torch when the warm-up was done before
+    with _one_builder(out_dir):
+        if _complete(out_dir, key):  # a concurrent run with the same inputs built it meanwhile
+            return out_dir
+        return _warm_start_here(model_dir, out_dir, tasks, steps, batch_size, lr, seed, slip, key, tools)
+
+
+@contextlib.contextmanager
+def _one_builder(out: Path) -> Iterator[None]:
+    """Held while `out` is built: runs started together with the same inputs (a sweep's, a test session's) wait for
+    the first one's warm-up and reuse it instead of repeating it on the same cores. An exclusive lock on a file beside
+    `out`, released by the kernel when its holder exits, however it exits; the file is removed by its holder (a run
+    that waited on it, or comes later, finds `out` complete, or builds it under a lock of its own)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    path = out.parent / f".{out.name}.lock"
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"warm-up: waiting for another run's warm-up of {out.name}", flush=True)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def _warm_start_here(
+    model_dir: Path,
+    out_dir: Path,
+    tasks: list[WarmupTask],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    slip: float,
+    key: str,
+    tools: ToolsConfig | None,
+) -> Path:
     import torch
 
     # As many threads as a trainer rank takes (OMP_NUM_THREADS): torch's default (every core) makes two runs

@@ -1,5 +1,6 @@
 """Config loading, overrides, validation messages, and the no-heavy-imports rule."""
 
+import functools
 import subprocess
 import sys
 
@@ -20,9 +21,11 @@ def test_config_module_imports_no_heavy_packages():
     assert out.stdout.strip() == ""
 
 
-def _column_parallel_linear(gradient_accumulation_fusion: bool) -> None:
+@functools.cache
+def _column_parallel_linear(gradient_accumulation_fusion: bool) -> str | None:
     """megatron's ColumnParallelLinear (GPTModel's output layer under every layer spec), built on CPU in a fresh
-    process (megatron's parallel state is process-global) as rank 0 of one under the fake backend."""
+    process (megatron's parallel state is process-global) as rank 0 of one under the fake backend: None if it
+    builds, else its error's last line. Once per setting: it depends on nothing else."""
     script = f"""
 import torch, torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -35,8 +38,7 @@ config = ModelParallelConfig(gradient_accumulation_fusion={gradient_accumulation
 ColumnParallelLinear(8, 16, config=config, init_method=torch.nn.init.zeros_, bias=False, gather_output=False)
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    if done.returncode:
-        raise RuntimeError(done.stderr.strip().splitlines()[-1])
+    return done.stderr.strip().splitlines()[-1] if done.returncode else None
 
 
 @pytest.mark.parametrize("model_name", ["llama3_8b", "qwen3_4b", "qwen3_30b_a3b", "llama4_scout_17bx16e"])
@@ -48,8 +50,6 @@ def test_the_gradient_accumulation_fusion_resolves_to_what_the_image_can_build(m
     run = load_config("scalerl", model_name)
     cluster = model.cluster_performance_settings(run.trainer)
     assert cluster["gradient_accumulation_fusion"] is False and cluster["bias_activation_fusion"] is True
-    _column_parallel_linear(cluster["gradient_accumulation_fusion"])
-    with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
-        _column_parallel_linear(
-            model.performance_settings(run.trainer, te=True, apex=True)["gradient_accumulation_fusion"]
-        )
+    assert _column_parallel_linear(cluster["gradient_accumulation_fusion"]) is None
+    old_rule = model.performance_settings(run.trainer, te=True, apex=True)["gradient_accumulation_fusion"]
+    assert "fused_weight_gradient_mlp_cuda" in (_column_parallel_linear(old_rule) or "")

@@ -212,8 +212,6 @@ def test_pre_timeout_signal_checkpoints_requeues_and_resumes(tmp_path, slurm):
     _sh(f"scancel {job}")
     state, restarts = _wait(job, lambda s, r: s in ENDED, timeout=180)
     assert (state, restarts) == ("CANCELLED", 1)
-    time.sleep(5)
-    assert _state(job) == ("CANCELLED", 1)
     assert f"[bootstrap] job {job} was cancelled (scancel): not requeued" in _logs(tmp_path, "requeue")
 
 

@@ -7,10 +7,11 @@ engine's log-probs of each policy token and the trainer's (computed on the ids t
 responses spliced in between turns) are of one policy and agree to the FP32-head tolerance, step after step. A token
 re-encoded between turns, or a response shifted by one position, would put them far apart.
 
-The kill: the first request that continues a trajectory after a tool's response finds its engine killed (SIGKILL to
-the server's process group). The request waits while the engine is restarted and caught up to the current weights,
-then is sent again with the whole trajectory so far (a new prefill): the trajectory, its step and every later step
-complete, and the restart and the failed request are counted.
+Two engines: a trajectory's turns go back to the engine that ran its previous turn (its prefix cache holds the
+trajectory so far). The kill: the first request that continues a trajectory after a tool's response finds that engine
+killed (SIGKILL to the server's process group). The request waits while the engine is restarted and caught up to the
+current weights, then is sent to the other engine with the whole trajectory so far (a new prefill there): the
+trajectory, its step and every later step complete, and the restart and the failed request are counted.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.run]
 TOTAL_STEPS = 3
 RUN = small_run(
     f"total_steps={TOTAL_STEPS}",
+    "rollout.engine.num_engines=2",
     "rollout.mode=ppo_off_policy",
     "rollout.k=1",
     f"eval.every_steps={TOTAL_STEPS}",
@@ -67,20 +69,29 @@ def test_tool_trajectories_train_on_the_engines_tokens_and_survive_an_engine_kil
     call_end = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok")).convert_tokens_to_ids("</tool_call>")
     generate = EngineGroup.generate
     killed: list[int] = []
+    served: list[int | None] = []
 
     async def kill_between_turns(group: EngineGroup, input_ids: list[int], max_new: int, stop_ids: list[int]) -> Any:
-        if not killed and call_end in input_ids:  # a turn after a tool's response
-            host = group.hosts[0]
-            assert isinstance(host, LocalEngine)  # a CPU run on one machine: the server is the driver's child
-            os.killpg(host.server.pid, signal.SIGKILL)  # HTTP server, scheduler and detokenizer together
-            killed.append(len(input_ids))
-        return await generate(group, input_ids, max_new, stop_ids)
+        assert group.balancer is not None
+        affinity = group.balancer.affinity
+        engine = affinity.engine_for(input_ids)  # the engine that ran this trajectory's previous turn
+        if killed or call_end not in input_ids or engine is None:  # not a turn after a tool's response
+            return await generate(group, input_ids, max_new, stop_ids)
+        host = group.hosts[engine]
+        assert isinstance(host, LocalEngine)  # a CPU run on one machine: the server is the driver's child
+        os.killpg(host.server.pid, signal.SIGKILL)  # HTTP server, scheduler and detokenizer together
+        killed.append(engine)
+        segment = await generate(group, input_ids, max_new, stop_ids)
+        served.append(affinity.engine_for(input_ids + segment.tokens))  # the engine that ran the retry
+        return segment
 
     monkeypatch.setattr(EngineGroup, "generate", kill_between_turns)
     rows = read_metrics(train(run) / "metrics.jsonl")
     steps = [r for r in rows if "train/loss" in r]
 
     assert len(killed) == 1  # a trajectory was mid-way (a call answered) when its engine died
+    assert served == [1 - killed[0]]  # its next turn was prefilled on the other engine
+    assert steps[-1]["rollout/affinity_hits"] > 0  # the other continuations went back to their engine
     assert [r["step"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
     assert steps[-1]["rollout/engine_restarts"] == 1 and steps[-1]["rollout/engine_failures"] >= 1
     assert all(r["train/skipped_steps"] == 0 and r["train/staleness_max"] == 0 for r in steps)

@@ -352,6 +352,28 @@ def test_resume_gives_the_bit_identical_next_steps(tmp_path, overrides, world):
     assert full["save_children"] == []  # megatron's default results queue spawned a ~0.3 GB Manager process
 
 
+SINGLE = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
+
+
+@pytest.fixture(scope="module")
+def single_rank(tmp_path_factory):
+    """`single_rank(model)`: one rank's log-probs at the initial weights (saved as a checkpoint), and its two steps
+    from that checkpoint with every gradient; run once per model for the layouts compared with it."""
+    cache: dict[str, tuple[dict, dict, str]] = {}
+
+    def reference(model: str) -> tuple[dict, dict, str]:
+        if model not in cache:
+            tmp = tmp_path_factory.mktemp(f"single_{model}")
+            (ref,) = _run(tmp, "ref", {"model": model, "overrides": LR + SINGLE, "save": str(tmp / "ck")})
+            checkpoint = str(tmp / "ck" / "step_00000000")
+            step_spec = {"model": model, "load": checkpoint, "model_only": True, "steps": 2, "grads": True}
+            (ref_step,) = _run(tmp, "ref_step", {**step_spec, "overrides": LR + SINGLE})
+            cache[model] = ref, ref_step, checkpoint
+        return cache[model]
+
+    return reference
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, layout",
@@ -366,17 +388,14 @@ def test_resume_gives_the_bit_identical_next_steps(tmp_path, overrides, world):
     ],
     ids=["tp2", "tp2_sp", "pp2", "dp2", "ep2", "moe_tp2_sp", "moe_tp2_sp_etp2"],
 )
-def test_parallel_layouts_match_a_single_rank(tmp_path, model, layout):
+def test_parallel_layouts_match_a_single_rank(tmp_path, single_rank, model, layout):
     """Log-probs, and loss and gradient norm of two steps (the second sees the first step's whole gradient
     through Adam), on packed rows of odd lengths (sequence parallel pads them). For dense TP alone (every
     rank holds TP shards of the whole model), also every parameter's gradient of the second step."""
-    single = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
     tp_only = model == "cpu_demo" and "parallel.tp=2" in layout
-    (ref,) = _run(tmp_path, "ref", {"model": model, "overrides": LR + single, "save": str(tmp_path / "ck")})
-    checkpoint = str(tmp_path / "ck" / "step_00000000")
+    ref, ref_step, checkpoint = single_rank(model)
     step_spec = {"model": model, "load": checkpoint, "model_only": True, "steps": 2, "grads": tp_only}
-    (ref_step,) = _run(tmp_path, "ref_step", {**step_spec, "overrides": LR + single})
-    overrides = LR + single[:3] + layout + ["parallel.trainer_devices=2"]
+    overrides = LR + SINGLE[:3] + layout + ["parallel.trainer_devices=2"]
     ranks = _run(tmp_path, "par", {**step_spec, "overrides": overrides}, world=2)
     for rank in ranks:
         assert _max_diff(rank["logprobs"], ref["logprobs"]) < 2e-5
@@ -393,20 +412,26 @@ def test_parallel_layouts_match_a_single_rank(tmp_path, model, layout):
             torch.testing.assert_close(whole[name], grad, rtol=1e-4, atol=1e-5 * float(grad.abs().max()), msg=name)
 
 
+@pytest.fixture(scope="module")
+def trained_single_rank(tmp_path_factory, trained_policy):
+    """One rank's two on-policy steps from the trained policy's Hugging Face checkpoint."""
+    spec = {"hf": str(trained_policy), "steps": 2, "on_policy": True, "overrides": LR + SINGLE}
+    return _run(tmp_path_factory.mktemp("trained_single"), "ref", spec)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "layout",
     [["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.cp=2"]],
     ids=["tp2_sp", "cp2"],
 )
-def test_layouts_from_the_trained_policy_match_a_single_rank(tmp_path, trained_policy, layout):
+def test_layouts_from_the_trained_policy_match_a_single_rank(tmp_path, trained_policy, trained_single_rank, layout):
     """The layouts users train the CPU policy with, started from its Hugging Face checkpoint (trained weights, whose
     log-probs are peaked, not a random model's near-uniform ones): each rank imports its shards, and log-probs, loss
     and gradient norm of two on-policy steps equal one rank's."""
-    single = ["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.trainer_devices=1"]
     spec = {"hf": str(trained_policy), "steps": 2, "on_policy": True}
-    (ref,) = _run(tmp_path, "ref", {**spec, "overrides": LR + single})
-    ranks = _run(tmp_path, "par", {**spec, "overrides": LR + single[:3] + layout + ["parallel.trainer_devices=2"]}, 2)
+    ref = trained_single_rank
+    ranks = _run(tmp_path, "par", {**spec, "overrides": LR + SINGLE[:3] + layout + ["parallel.trainer_devices=2"]}, 2)
     assert ref["steps"][0]["train/loss"] != 0.0 and ref["steps"][1]["train/loss"] != ref["steps"][0]["train/loss"]
     for rank in ranks:
         assert _max_diff(rank["logprobs"], ref["logprobs"]) < 2e-5
@@ -439,6 +464,28 @@ ATTENTION, MLP, MOE = "Attention._checkpointed_attention_forward", "TransformerL
 LAYERS = "checkpointed_forward.<locals>.chunk_runner"  # TransformerBlock's full recompute, one call per group
 
 
+def _recompute_single(model: str) -> list[str]:
+    single = ["parallel.ep=1", "parallel.trainer_devices=1"]
+    if model == "tiny_llama4":  # recompute through the chunked and temperature-tuned attention too
+        single += ["model.attention_chunk_size=4", "model.attn_temperature_tuning=true", "model.floor_scale=4"]
+    return single
+
+
+@pytest.fixture(scope="module")
+def without_recompute(tmp_path_factory):
+    """`without_recompute(model)`: one step without recompute, with its gradients; run once per model."""
+    cache: dict[str, dict] = {}
+
+    def plain(model: str) -> dict:
+        if model not in cache:
+            spec = {"model": model, "steps": 1, "grads": True, "record_checkpoints": True}
+            tmp = tmp_path_factory.mktemp(f"plain_{model}")
+            cache[model] = _run(tmp, "plain", {**spec, "overrides": LR + _recompute_single(model)})[0]
+        return cache[model]
+
+    return plain
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, recompute, checkpointed",
@@ -459,16 +506,13 @@ LAYERS = "checkpointed_forward.<locals>.chunk_runner"  # TransformerBlock's full
     ],
     ids=["selective", "full_uniform", "full_block", "moe_selective", "moe_full_2_layers"],
 )
-def test_recompute_gives_identical_loss_and_gradients(tmp_path, model, recompute, checkpointed):
+def test_recompute_gives_identical_loss_and_gradients(tmp_path, without_recompute, model, recompute, checkpointed):
     """Same loss and gradients with recompute; and the recompute ran: megatron's activation checkpoint wrapped
     the configured parts (per micro-batch: each layer's attention / MLP / MoE, or one call per group of
     layers) in the forward of the step, and recomputed each of them in its backward."""
-    single = ["parallel.ep=1", "parallel.trainer_devices=1"]
-    if model == "tiny_llama4":  # recompute through the chunked and temperature-tuned attention too
-        single += ["model.attention_chunk_size=4", "model.attn_temperature_tuning=true", "model.floor_scale=4"]
     spec = {"model": model, "steps": 1, "grads": True, "record_checkpoints": True}
-    (plain,) = _run(tmp_path, "plain", {**spec, "overrides": LR + single})
-    (again,) = _run(tmp_path, "again", {**spec, "overrides": LR + single + recompute})
+    plain = without_recompute(model)
+    (again,) = _run(tmp_path, "again", {**spec, "overrides": LR + _recompute_single(model) + recompute})
     assert again["steps"] == plain["steps"]  # loss, grad norm, mismatch
     assert sorted(again["grads"]) == sorted(plain["grads"])
     for name, grad in plain["grads"].items():

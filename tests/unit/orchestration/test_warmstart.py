@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 from safetensors.torch import load_file
@@ -11,6 +13,7 @@ from megatron_rl.config import ModelConfig, build, load_model_dict
 from megatron_rl.data.datasets import Prompt
 from megatron_rl.data.synthetic import arithmetic_rows, arithmetic_solution
 from megatron_rl.models.tiny import build_tiny_model
+from megatron_rl.orchestration import warmstart
 from megatron_rl.orchestration.warmstart import WarmupTask, warm_start
 
 
@@ -114,3 +117,36 @@ def test_a_tool_solution_trains_the_call_and_the_answer_never_the_tools_output(t
     for seed in range(10):
         call, _, _ = solution_segments(exact, prompt, 0.999, random.Random(seed), tools, tokenizer.eos_token)
         assert "print(48 + 75)" in call[0]
+
+
+def test_a_run_waits_for_a_concurrent_warm_up_of_the_same_inputs_and_reuses_it(tmp_path, monkeypatch, capsys):
+    """Two runs started together (a sweep's) with the same inputs: the second waits for the first's warm-up and
+    returns its policy, built once; no lock file is left in the cache."""
+    base = build_tiny_model(tmp_path / "base", build(ModelConfig, load_model_dict("cpu_demo")), seed=3)
+    out = tmp_path / "cache" / "warm"
+    task = [WarmupTask(_prompts(40), arithmetic_solution)]
+    built, release = [], threading.Event()
+    build_here = warmstart._warm_start_here
+
+    def slow_build(*args):
+        built.append(args[1])
+        release.wait(60)
+        return build_here(*args)
+
+    monkeypatch.setattr(warmstart, "_warm_start_here", slow_build)
+    results: list[Path] = []
+    runs = [threading.Thread(target=lambda: results.append(warm_start(base, out, task, steps=2, batch_size=4)))]
+    runs[0].start()
+    while not built:
+        time.sleep(0.01)
+    runs.append(threading.Thread(target=lambda: results.append(warm_start(base, out, task, steps=2, batch_size=4))))
+    runs[1].start()
+    deadline = time.monotonic() + 30
+    while "waiting for another run's warm-up" not in capsys.readouterr().out:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    for run in runs:
+        run.join(60)
+    assert len(built) == 1 and len(results) == 2 and results[0] == results[1]
+    assert [p.name for p in out.parent.iterdir()] == [results[0].name]
