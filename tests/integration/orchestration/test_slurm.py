@@ -28,9 +28,6 @@ from small_run import small_run
 from megatron_rl.cli import build_parser
 from megatron_rl.config import load_config
 
-# one Slurm node for the whole module: its jobs run one at a time, in one pytest worker
-pytestmark = pytest.mark.xdist_group("slurm")
-
 ROOT = Path(__file__).resolve().parents[3]
 VENV_BIN = Path(sys.executable).parent
 
