@@ -209,7 +209,9 @@ class TrainerConfig:
     chunk has max(1, logprob_chunk_mib MiB / (4 x vocab/tp)) tokens (128 at a 128k vocabulary, TP 1)."""
     warm_start_steps: int = 0
     """(CPU demo) supervised steps on a synthetic task's worked solutions before RL, for a model that
-    starts from random weights (model.hf_path null); 0 = none."""
+    starts from random weights (model.hf_path null); 0 = none. Its prompts are the training prompts past the
+    first 256 of the shuffled order (validation takes from the front): runs with any `data.val_prompts` up to 256
+    start from the same policy, and no validation prompt is trained on."""
     warm_start_slip: float = 0.0
     """(CPU demo) chance per step of a worked solution that the warm-up's copy carries a slip (a column sum
     off by one, carried into the answer; data/synthetic.py): the policy learns the method and an error rate,

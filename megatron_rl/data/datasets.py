@@ -186,6 +186,11 @@ def load_prompts(cfg: DatasetConfig, bad_rows: str = "error") -> tuple[list[Prom
     return prompts, stats
 
 
+WARMUP_HOLDOUT = 256
+"""(ours) The front of each dataset's shuffled order that a warm-up never trains on: the CPU recipe's validation
+size, so a warm-up is the same for every validation up to it."""
+
+
 @dataclass
 class Splits:
     train: dict[str, list[Prompt]]
@@ -193,6 +198,10 @@ class Splits:
     val: dict[str, list[Prompt]]
     """Per task: the held-out validation prompts."""
     stats: dict[str, LoadStats]
+    warmup: dict[str, list[Prompt]] = field(default_factory=dict)
+    """Per dataset: the prompts a supervised warm-up may train on, the training prompts past the first
+    `WARMUP_HOLDOUT` of the shuffled order (validation takes from its front): the same for every `val_prompts` up to
+    that, so runs that differ in their validation's size start from the same warmed-up policy."""
 
     def fingerprints(self) -> dict[str, str]:
         """Per dataset: a hash of its training prompts in order (id, prompt, answer, tests, tools), which a checkpoint
@@ -215,6 +224,7 @@ def load_splits(cfg: DataConfig) -> Splits:
     """Load every dataset and hold out `val_prompts` of each (at most half), chosen by `cfg.seed`."""
     train: dict[str, list[Prompt]] = {}
     val: dict[str, list[Prompt]] = {}
+    warmup: dict[str, list[Prompt]] = {}
     stats: dict[str, LoadStats] = {}
     for dataset in cfg.datasets:
         if dataset.key in train:
@@ -227,4 +237,5 @@ def load_splits(cfg: DataConfig) -> Splits:
         n_val = min(cfg.val_prompts if dataset.val_prompts is None else dataset.val_prompts, len(prompts) // 2)
         val.setdefault(dataset.task, []).extend(prompts[i] for i in order[:n_val])
         train[dataset.key] = [prompts[i] for i in order[n_val:]]
-    return Splits(train, val, stats)
+        warmup[dataset.key] = [prompts[i] for i in order[max(n_val, min(WARMUP_HOLDOUT, len(prompts) // 2)) :]]
+    return Splits(train, val, stats, warmup)

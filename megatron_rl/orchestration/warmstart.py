@@ -86,7 +86,7 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
                 f"tasks with them: {sorted(PROGRAMS)}"
             )
         program, tool_slip = PROGRAMS.get(name), run.trainer.warm_start_tool_slip
-        tasks.append(WarmupTask(splits.train[dataset.key], SOLUTIONS[name], dataset.weight, program, share, tool_slip))
+        tasks.append(WarmupTask(splits.warmup[dataset.key], SOLUTIONS[name], dataset.weight, program, share, tool_slip))
     names = "+".join(d.source.removeprefix("synthetic:") for d in run.data.datasets[1:])
     out = cache / f"{run.model.name}-seed{run.seed}-warm{run.trainer.warm_start_steps}{'-' + names if names else ''}"
     slip = run.trainer.warm_start_slip

@@ -139,6 +139,24 @@ def test_validation_split_is_deterministic_and_disjoint():
     assert [p.id for p in other.val["math"]] != [p.id for p in a.val["math"]]
 
 
+def test_the_warm_up_prompts_are_the_same_for_every_validation_size_up_to_the_holdout_and_never_validation():
+    """Runs that differ only in `val_prompts` (8, 16, 256) warm up on the same prompts, so they start from the same
+    policy; none of those prompts is in any of their validations; a larger validation keeps its own out too."""
+    from megatron_rl.data.datasets import WARMUP_HOLDOUT
+
+    datasets = [DatasetConfig(source="synthetic:arithmetic")]
+    splits = {n: load_splits(DataConfig(datasets=datasets, val_prompts=n, seed=3)) for n in (8, 16, 256, 400)}
+    key = "synthetic:arithmetic"
+    warm = [p.id for p in splits[8].warmup[key]]
+    assert warm == [p.id for p in splits[16].warmup[key]] == [p.id for p in splits[256].warmup[key]]
+    assert warm == [p.id for p in splits[256].train[key]]  # the recipe's own size: its whole training split
+    assert len(warm) == len(splits[8].train[key]) - (WARMUP_HOLDOUT - 8)
+    for split in splits.values():
+        assert not set(p.id for p in split.warmup[key]) & {p.id for p in split.val["math"]}
+        assert set(p.id for p in split.warmup[key]) <= {p.id for p in split.train[key]}
+    assert [p.id for p in splits[400].warmup[key]] == [p.id for p in splits[400].train[key]]
+
+
 def _sampler(train, seed=0, threshold=0.9):
     return CurriculumSampler(train, {k: 1.0 for k in train}, seed, NoPositiveResampling(threshold))
 
