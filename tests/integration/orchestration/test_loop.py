@@ -203,7 +203,7 @@ def test_a_qwen3_policy_learns_through_the_loop(tmp_path, pushed_every_step):
 @pytest.mark.parametrize(
     "model, layout",
     [
-        ("tiny_qwen3", []),
+        ("tiny_qwen3", ["trainer.warm_start_steps=1000"]),  # the policy the learning test above warmed up (cached)
         ("tiny_llama4", ["algo.routing_replay=rollout"]),  # EP 2, top-1 routing, the input-side router weight
         # TP 2 + SP with whole experts (ETP 1): the push gathers TP shards, the replay cuts each row's SP shards
         (
