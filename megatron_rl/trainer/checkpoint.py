@@ -53,7 +53,11 @@ that an export of any of its checkpoints carries a loadable tokenizer (`convert 
 
 
 def record_starting_model(run_dir: Path, hf_dir: Path) -> None:
-    (run_dir / STARTING_MODEL).write_text(json.dumps({"path": str(Path(hf_dir).resolve())}) + "\n")
+    """Records the HF directory the run started from, at its first start: a resume keeps the record (its starting
+    policy may since be built elsewhere, as a warm-up cached under new inputs)."""
+    record = run_dir / STARTING_MODEL
+    if not record.exists():
+        record.write_text(json.dumps({"path": str(Path(hf_dir).resolve())}) + "\n")
 
 
 def starting_model(checkpoint: Path) -> Path | None:

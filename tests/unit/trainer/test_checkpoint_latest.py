@@ -98,3 +98,18 @@ def test_a_damaged_newest_checkpoint_is_named_and_the_newest_intact_one_used(tmp
     with pytest.raises(CheckpointError) as info:
         latest_checkpoint(tmp_path)
     assert named in str(info.value) and "step_00000002: " in str(info.value)
+
+
+def test_the_starting_model_is_the_one_of_the_runs_first_start(tmp_path):
+    """A resume that finds its starting policy elsewhere (a warm-up cached under new inputs) keeps the record of the
+    policy the run started from: `megatron-rl eval --start` compares against that one."""
+    from megatron_rl.trainer.checkpoint import record_starting_model, starting_model
+
+    first, later = tmp_path / "warm-a", tmp_path / "warm-b"
+    first.mkdir()
+    later.mkdir()
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    record_starting_model(run, first)
+    record_starting_model(run, later)  # the resume's start
+    assert starting_model(run / "checkpoints" / "step_00000004") == first.resolve()
