@@ -155,7 +155,16 @@ def warm_start(
     with _one_builder(out_dir):
         if _complete(out_dir, key):  # a concurrent run with the same inputs built it meanwhile
             return out_dir
-        return _warm_start_here(model_dir, out_dir, tasks, steps, batch_size, lr, seed, slip, key, tools)
+        import torch
+
+        # As many threads as a trainer rank takes (OMP_NUM_THREADS): torch's default (every core) makes two runs
+        # warming up at once on one machine oversubscribe it many times over.
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+        try:
+            return _warm_start(model_dir, out_dir, tasks, steps, batch_size, lr, seed, slip, key, tools)
+        finally:
+            torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager
@@ -176,30 +185,6 @@ def _one_builder(out: Path) -> Iterator[None]:
             yield
         finally:
             path.unlink(missing_ok=True)
-
-
-def _warm_start_here(
-    model_dir: Path,
-    out_dir: Path,
-    tasks: list[WarmupTask],
-    steps: int,
-    batch_size: int,
-    lr: float,
-    seed: int,
-    slip: float,
-    key: str,
-    tools: ToolsConfig | None,
-) -> Path:
-    import torch
-
-    # As many threads as a trainer rank takes (OMP_NUM_THREADS): torch's default (every core) makes two runs
-    # warming up at once on one machine oversubscribe it many times over.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    try:
-        return _warm_start(model_dir, out_dir, tasks, steps, batch_size, lr, seed, slip, key, tools)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _warm_start(

@@ -126,14 +126,14 @@ def test_a_run_waits_for_a_concurrent_warm_up_of_the_same_inputs_and_reuses_it(t
     out = tmp_path / "cache" / "warm"
     task = [WarmupTask(_prompts(40), arithmetic_solution)]
     built, release = [], threading.Event()
-    build_here = warmstart._warm_start_here
+    build_here = warmstart._warm_start
 
     def slow_build(*args):
         built.append(args[1])
         release.wait(60)
         return build_here(*args)
 
-    monkeypatch.setattr(warmstart, "_warm_start_here", slow_build)
+    monkeypatch.setattr(warmstart, "_warm_start", slow_build)
     results: list[Path] = []
     runs = [threading.Thread(target=lambda: results.append(warm_start(base, out, task, steps=2, batch_size=4)))]
     runs[0].start()
