@@ -75,12 +75,14 @@ fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 log=$work/pip.log
-pip_quiet() {
+# shellcheck source=tools/pkg_install.sh
+. tools/pkg_install.sh
+quiet() {
   # pip's "requires X, but you have Y" notes about SGLang's unmet GPU pins are expected; real failures
-  # stop the script with pip's output.
-  if ! pip install -q "$@" >"$log" 2>&1; then
+  # stop the script with the installer's output.
+  if ! "$@" >"$log" 2>&1; then
     cat "$log" >&2
-    echo "install_sglang.sh: pip install $* failed" >&2
+    echo "install_sglang.sh: $* failed" >&2
     exit 1
   fi
 }
@@ -89,13 +91,13 @@ echo "install_sglang.sh: installing SGLang $SGLANG_VERSION for CPU"
 # An earlier version of this script edited torchvision/__init__.py in place; put the wheel's file back.
 tv_init=$(python -c "import importlib.util as u; s = u.find_spec('torchvision'); print(s.origin if s else '')")
 if [ -n "$tv_init" ] && grep -qs "megatron_rl CPU patch" "$tv_init"; then
-  pip_quiet --no-deps --force-reinstall "torchvision==$TORCHVISION_VERSION"
+  quiet pip install -q --no-deps --force-reinstall "torchvision==$TORCHVISION_VERSION"
 fi
-pip_quiet --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
-pip_quiet "${DEPS[@]}"
+quiet pkg_install --no-deps "sglang==$SGLANG_VERSION" "torchvision==$TORCHVISION_VERSION"
+quiet pkg_install "${DEPS[@]}"
 # The shims build from a copy (no build/ left in the tree) with the venv's setuptools (nothing to download).
 cp -r tools/sglang_cpu "$work/shims"
-pip_quiet --no-deps --no-build-isolation --force-reinstall "$work/shims"
+quiet pip install -q --no-deps --no-build-isolation --force-reinstall "$work/shims"
 
 if ! check; then
   echo "install_sglang.sh: SGLang still does not import on CPU:" >&2

@@ -56,7 +56,6 @@ from dataclasses import dataclass
 
 import numpy as np
 from numpy.typing import ArrayLike
-from scipy.signal import lfilter
 
 from megatron_rl.scaling.fit import (
     Array,
@@ -125,6 +124,8 @@ def _ar_residual_moments(phi: float, basis: Array) -> tuple[Array, Array]:
     """Diagonal and first sub-diagonal of (I - P) S (I - P), the covariance of residuals left by projecting
     AR(1) noise of unit variance (S_ij = phi^|i - j|) off span(basis) (P = basis basis^T). O(m q^2): S
     applied by a forward and a backward AR filter instead of as a matrix."""
+    from scipy.signal import lfilter  # 1.4 s of imports: paid by the fits that use it, not by `plan`
+
     Q = basis
     SQ = lfilter([1.0], [1.0, -phi], Q, axis=0) + lfilter([1.0], [1.0, -phi], Q[::-1], axis=0)[::-1] - Q
     G = Q.T @ SQ
@@ -315,6 +316,8 @@ def _resample(
         return out
     # Sieve: the innovations u_t = e_t - phi e_(t-1), centred and drawn with replacement, fed through the
     # AR(1) recursion from zero; a burn-in with phi^burn < 1e-3 makes each series start stationary.
+    from scipy.signal import lfilter
+
     innovations = np.concatenate([e[1:] - phi * e[:-1] for e in series])
     innovations -= innovations.mean()
     burn = math.ceil(math.log(1e-3) / math.log(abs(phi))) if abs(phi) > 1e-3 else 0
