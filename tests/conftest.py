@@ -1,9 +1,6 @@
-"""Shared test setup: one thread per process (2-core CI machine), GPU tests deselected without CUDA, test files
-handed to the pytest workers longest first."""
+"""Shared test setup: one thread per process (2-core CI machine), GPU tests deselected without CUDA."""
 
-import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -16,34 +13,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _DESELECTED_GPU: list = []
 
 
-DURATIONS = Path(__file__).parent / "durations.json"
-"""Seconds per test file in a whole CI run (`python tools/test_durations.py LOG` writes it)."""
-
-
-def pytest_configure(config):
-    """Under `-n 2 --dist loadfile` each worker takes the next file when it is nearly done with its own: in the
-    collection order below (longest first) rather than xdist's default, most tests first."""
-    if hasattr(config.option, "loadscopereorder"):
-        config.option.loadscopereorder = False
-
-
-def _longest_first(items):
-    """Files by their recorded seconds, longest first (a file without a record last), tests within a file in place:
-    the longest-processing-time schedule, so no long file starts while the other worker has nothing left."""
-    seconds = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
-    root = Path(__file__).parents[1]
-
-    def file_of(item):
-        return item.path.relative_to(root).as_posix()
-
-    order = {name: -seconds.get(name, 0.0) for name in dict.fromkeys(file_of(item) for item in items)}
-    items.sort(key=lambda item: order[file_of(item)])  # stable: a file's tests keep their order
-
-
 def pytest_collection_modifyitems(config, items):
-    """Files longest first (`_longest_first`). Without CUDA, the GPU tier (`-m gpu`) is deselected rather than
-    skipped; the summary says how many."""
-    _longest_first(items)
+    """Without CUDA, the GPU tier (`-m gpu`) is deselected rather than skipped; the summary says how many."""
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return

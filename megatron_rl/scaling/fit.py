@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy.optimize import curve_fit
 from scipy.special import expit
 
 Array = NDArray[np.float64]
@@ -319,6 +318,8 @@ def fit_paper(
 ) -> Fit:
     """The paper's procedure: grid over A and C_mid, `curve_fit` for B at each grid point, least squares.
     `progress(k)` is called after each A row (k = grid points done) for a progress bar."""
+    from scipy.optimize import curve_fit  # only this procedure: `megatron-rl plan` imports the package, not it
+
     c, r, R0 = points.compute, points.R, points.R0
     best: tuple[float, float, float, float] | None = None
     with warnings.catch_warnings():
