@@ -14,6 +14,8 @@ Prints one row per role (processes of one kind summed):
 - CPU total: CPU seconds over the whole run;
 - PSS at peak: the role's proportional set size at the sample where the sum over all processes peaked (shared
   pages split between the processes sharing them: the column sums to the physical memory the run held);
+- private at peak: of that, the pages no other process maps (Private_Clean + Private_Dirty: what ending the role's
+  processes would free; the rest of its PSS is its share of libraries and files other processes map too);
 - own peak: the role's largest PSS over the run.
 """
 
@@ -61,13 +63,18 @@ def role(command: str) -> str:
     return next((name for part, name in ROLES if part in command), command[:60] or "?")
 
 
-def pss(pid: int) -> int:
-    """Proportional set size in bytes (0 when the process is gone or unreadable)."""
+def pss(pid: int) -> tuple[int, int]:
+    """Proportional set size and private memory in bytes ((0, 0) when the process is gone or unreadable)."""
+    fields: dict[str, int] = {}
     try:
         with open(f"/proc/{pid}/smaps_rollup") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("Pss:")), 0)
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("Pss", "Private_Clean", "Private_Dirty"):
+                    fields[name] = int(value.split()[0]) * 1024
     except OSError:
-        return 0
+        return 0, 0
+    return fields.get("Pss", 0), fields.get("Private_Clean", 0) + fields.get("Private_Dirty", 0)
 
 
 def sample_run(command: list[str], env: dict[str, str], log: Path, sample_s: float) -> dict[str, Any]:
@@ -75,7 +82,7 @@ def sample_run(command: list[str], env: dict[str, str], log: Path, sample_s: flo
     launched = time.time()
     lines: list[tuple[float, str]] = []
     procs: dict[int, dict[str, Any]] = {}
-    totals: list[tuple[float, int, dict[int, int]]] = []
+    totals: list[tuple[float, int, dict[int, tuple[int, int]]]] = []
     with log.open("w") as out:
         process = psutil.Popen(command, stdout=-1, stderr=-2, env=env, text=True)
 
@@ -92,7 +99,7 @@ def sample_run(command: list[str], env: dict[str, str], log: Path, sample_s: flo
                 tree = [process, *process.children(recursive=True)]
             except psutil.NoSuchProcess:
                 break
-            sizes: dict[int, int] = {}
+            sizes: dict[int, tuple[int, int]] = {}
             for proc in tree:
                 try:
                     with proc.oneshot():
@@ -104,8 +111,8 @@ def sample_run(command: list[str], env: dict[str, str], log: Path, sample_s: flo
                 entry["command"], entry["role"] = command, role(command)
                 entry.setdefault("cpu", []).append((now, cpu.user + cpu.system))
                 sizes[proc.pid] = pss(proc.pid)
-                entry["peak"] = max(entry.get("peak", 0), sizes[proc.pid])
-            totals.append((now, sum(sizes.values()), sizes))
+                entry["peak"] = max(entry.get("peak", 0), sizes[proc.pid][0])
+            totals.append((now, sum(size for size, _ in sizes.values()), sizes))
             time.sleep(sample_s)
         reader.join()
     if process.returncode != 0:
@@ -132,7 +139,10 @@ def cpu_at(series: list[tuple[float, float]], t: float) -> float:
 def table(run: dict[str, Any], start: float) -> list[dict[str, Any]]:
     _, _, peak_sizes = max(run["totals"], key=lambda total: total[1])
     by_role: dict[str, dict[str, Any]] = defaultdict(
-        lambda: {"processes": 0, "born": float("inf"), "cpu_loop": 0.0, "cpu": 0.0, "pss_at_peak": 0, "peak": 0}
+        lambda: (
+            {"processes": 0, "born": float("inf"), "cpu_loop": 0.0, "cpu": 0.0}
+            | {"pss_at_peak": 0, "private_at_peak": 0, "peak": 0}
+        )
     )
     for pid, entry in run["procs"].items():
         row = by_role[entry["role"]]
@@ -140,7 +150,9 @@ def table(run: dict[str, Any], start: float) -> list[dict[str, Any]]:
         row["born"] = min(row["born"], entry["born"])
         row["cpu_loop"] += cpu_at(entry["cpu"], start)
         row["cpu"] += entry["cpu"][-1][1]
-        row["pss_at_peak"] += peak_sizes.get(pid, 0)
+        size, private = peak_sizes.get(pid, (0, 0))
+        row["pss_at_peak"] += size
+        row["private_at_peak"] += private
         row["peak"] = max(row["peak"], entry["peak"])
     rows = [{"role": name, **row} for name, row in by_role.items()]
     rows.sort(key=lambda r: -r["cpu_loop"])
@@ -173,16 +185,17 @@ def main() -> None:
         f"{args.recipe}, {args.steps} steps: loop start {start:.1f} s after launch, run {run['wall_s']:.0f} s, "
         f"peak PSS {peak_total / 1e9:.2f} GB at {peak_t:.0f} s over {sum(r['processes'] for r in rows)} processes"
     )
-    print("| role | processes | born | CPU to loop | CPU total | PSS at peak | own peak |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| role | processes | born | CPU to loop | CPU total | PSS at peak | private at peak | own peak |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['role']} | {r['processes']} | {r['born']:.1f} s | {r['cpu_loop']:.1f} s | {r['cpu']:.1f} s | "
-            f"{r['pss_at_peak'] / 1e6:.0f} MB | {r['peak'] / 1e6:.0f} MB |"
+            f"{r['pss_at_peak'] / 1e6:.0f} MB | {r['private_at_peak'] / 1e6:.0f} MB | {r['peak'] / 1e6:.0f} MB |"
         )
     cpu_loop, cpu = sum(r["cpu_loop"] for r in rows), sum(r["cpu"] for r in rows)
     count = sum(r["processes"] for r in rows)
-    print(f"| all | {count} | | {cpu_loop:.1f} s | {cpu:.1f} s | {peak_total / 1e6:.0f} MB | |")
+    private = sum(r["private_at_peak"] for r in rows) / 1e6
+    print(f"| all | {count} | | {cpu_loop:.1f} s | {cpu:.1f} s | {peak_total / 1e6:.0f} MB | {private:.0f} MB | |")
     if args.json:
         result = {"loop_start_s": start, "wall_s": run["wall_s"], "peak_pss": peak_total, "peak_at_s": peak_t}
         args.json.write_text(json.dumps({**result, "roles": rows}, indent=1))

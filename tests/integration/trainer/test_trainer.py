@@ -582,17 +582,34 @@ def test_a_sequence_longer_than_a_micro_batch_stops_before_any_collective(tmp_pa
     assert "does not fit a micro-batch of 512 tokens" in proc.stdout + proc.stderr
 
 
+REPLAY = "algo.routing_replay=rollout"
+ENVIRONMENT_LAYOUTS = {  # model, layout, generator routing records (seed), from the trained policy, ranks
+    "single": ("cpu_demo", [], None, False, 1),
+    "cp2_trained": ("cpu_demo", ["parallel.cp=2", "parallel.trainer_devices=2"], None, True, 2),
+    "moe_ep2_replay": ("tiny_moe", ["parallel.ep=2", "parallel.trainer_devices=2", REPLAY], 3, False, 2),
+}
+
+
 @pytest.mark.slow
-def test_environment_tokens_carry_no_loss(tmp_path):
+@pytest.mark.parametrize("layout", list(ENVIRONMENT_LAYOUTS))
+def test_environment_tokens_carry_no_loss(tmp_path, request, layout):
     """A tool's response is context, not something the policy is trained to say: with every completion holding two
     environment segments (one between policy turns, one at the end), changing their generator log-probs, their
     versions and the trailing segment's ids leaves every gradient as it was; changing one policy token's
-    generator log-prob does not (the check can fail)."""
-    spec = {"steps": 1, "grads": True, "overrides": LR}
-    (plain,) = _run(tmp_path, "plain", {**spec, "environment": None})
-    (environment,) = _run(tmp_path, "env", {**spec, "environment": "environment"})
-    (policy,) = _run(tmp_path, "policy", {**spec, "environment": "policy"})
-    assert environment["steps"][0]["train/loss"] == plain["steps"][0]["train/loss"]
-    for name, grad in plain["grads"].items():
-        torch.testing.assert_close(environment["grads"][name], grad, rtol=1e-6, atol=1e-9, msg=name)
-    assert any(not torch.allclose(policy["grads"][n], g, rtol=1e-4, atol=1e-8) for n, g in plain["grads"].items())
+    generator log-prob does not (the check can fail). Alone, and composed as tool runs train: context parallel
+    (the segments split across ranks) from the trained policy, and MoE at EP 2 replaying the generator's routing."""
+    model, overrides, routing, trained, world = ENVIRONMENT_LAYOUTS[layout]
+    spec = {"model": model, "steps": 1, "grads": True, "overrides": LR + overrides, "routing": routing}
+    if trained:
+        spec["hf"] = str(request.getfixturevalue("trained_policy"))
+    plain = _run(tmp_path, "plain", {**spec, "environment": None}, world)
+    environment = _run(tmp_path, "env", {**spec, "environment": "environment"}, world)
+    for rank, (ours, theirs) in enumerate(zip(environment, plain, strict=True)):
+        assert ours["steps"][0]["train/loss"] == theirs["steps"][0]["train/loss"], rank
+        assert theirs["grads"], rank
+        for name, grad in theirs["grads"].items():
+            torch.testing.assert_close(ours["grads"][name], grad, rtol=1e-6, atol=1e-9, msg=f"rank {rank}: {name}")
+    if layout == "single":  # the control: the comparison sees a change in what is trained on
+        (policy,) = _run(tmp_path, "policy", {**spec, "environment": "policy"})
+        grads = plain[0]["grads"]
+        assert any(not torch.allclose(policy["grads"][n], g, rtol=1e-4, atol=1e-8) for n, g in grads.items())
