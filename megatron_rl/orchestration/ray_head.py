@@ -34,7 +34,39 @@ def start_ray(run: RunConfig, keep_sigterm: bool | None = None) -> None:
         if processes > cores:
             print(f"ray: {processes} processes on {cores} cores (trainer ranks and CPU engines share them)", flush=True)
         with _one_machine_head(), _keeping_sigterm(keep):
-            ray.init(address="local", include_dashboard=False, num_cpus=slots)
+            try:
+                ray.init(address="local", include_dashboard=False, num_cpus=slots)
+            except Exception as exc:
+                if RAYLET_TIMEOUT not in str(exc):
+                    raise
+                print(f"ray: the local head's raylet did not register within Ray's 30 s ({_end_head()}); once more")
+                ray.init(address="local", include_dashboard=False, num_cpus=slots)
+
+
+RAYLET_TIMEOUT = "timed out during startup"
+"""Ray's error when its raylet has not registered with the GCS 30 s (fixed in ray/_private/node.py) after the head
+started: on a loaded machine (a 2-core laptop building a model, CI running two test files) the raylet can be late.
+The half-started head is ended and started once more; a second timeout is the run's error."""
+
+
+def _end_head() -> str:
+    """End the processes a failed `ray.init` left running (its GCS, raylet, log monitor and agents: the driver's
+    children run from Ray's package), say which."""
+    import psutil
+
+    package = os.path.dirname(ray.__file__) + os.sep
+    ended = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if any(part.startswith(package) for part in child.cmdline()):
+                child.kill()
+                ended.append(child)
+        except psutil.Error:
+            continue
+    psutil.wait_procs(ended, timeout=10)
+    with contextlib.suppress(Exception):
+        ray.shutdown()
+    return f"ended {len(ended)} of its processes"
 
 
 @contextlib.contextmanager

@@ -50,3 +50,32 @@ def test_the_local_head_starts_without_the_autoscaler_monitor_api_server_or_metr
     assert got["ports"]["metrics_agent_port"] == "-1" and got["ports"]["runtime_env_agent_port"] != "-1", got["ports"]
     assert not got["dashboard_deps_imported"]
     assert got["restored"], "ray's RayParams, Node.start_api_server or get_dashboard_dependency_error left replaced"
+
+
+LATE_RAYLET = """
+import json, psutil, ray
+import ray._private.node as node
+from megatron_rl.config import load_config
+from megatron_rl.orchestration.ray_head import start_ray
+first, real_init = [], node.Node.__init__
+def late(self, *args, **kwargs):  # the first head starts, then its raylet is reported late, as on a loaded machine
+    real_init(self, *args, **kwargs)
+    if not first:
+        first.append(self.all_processes["gcs_server"][0].process.pid)
+        raise Exception("The current node timed out during startup. This could happen because ...")
+node.Node.__init__ = late
+start_ray(load_config("scalerl-cpu", None, []))
+try:
+    print(json.dumps({"answer": ray.get(ray.remote(lambda: 41 + 1).remote()), "first_gcs_alive": psutil.pid_exists(
+        first[0]) and psutil.Process(first[0]).status() != psutil.STATUS_ZOMBIE}))
+finally:
+    ray.shutdown()
+"""
+
+
+def test_a_raylet_late_to_register_ends_the_half_started_head_and_starts_once_more() -> None:
+    result = subprocess.run([sys.executable, "-c", LATE_RAYLET], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ray: the local head's raylet did not register within Ray's 30 s (ended " in result.stdout
+    got = json.loads(result.stdout.strip().splitlines()[-1])
+    assert got == {"answer": 42, "first_gcs_alive": False}
