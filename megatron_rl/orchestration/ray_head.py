@@ -44,9 +44,9 @@ def start_ray(run: RunConfig, keep_sigterm: bool | None = None) -> None:
 
 
 RAYLET_TIMEOUT = "timed out during startup"
-"""Ray's error when its raylet has not registered with the GCS 30 s (fixed in ray/_private/node.py) after the head
-started: on a loaded machine (a 2-core laptop building a model, CI running two test files) the raylet can be late.
-The half-started head is ended and started once more; a second timeout is the run's error."""
+"""Ray's error when its raylet has not registered with the GCS within 30 s of the head's start (a limit hardcoded in
+ray/_private/node.py): on a loaded machine (a 2-core laptop building a model, CI running two test files) the raylet
+can be late. The half-started head is ended and started once more; a second timeout is the run's error."""
 
 
 def _end_head() -> str:
