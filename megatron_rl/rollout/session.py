@@ -25,7 +25,7 @@ from megatron_rl.data.datasets import Prompt
 from megatron_rl.rewards.workers import RewardResult, RewardWorkers
 from megatron_rl.rollout.interruption import Generated, GenerateFn, InterruptionTokens, generate_completion
 from megatron_rl.rollout.tools import Tool, schema
-from megatron_rl.rollout.trajectory import ToolStats, ToolTokens, generate_trajectory
+from megatron_rl.rollout.trajectory import ToolStats, ToolTokens, generate_trajectory, graded_tokens
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -110,7 +110,8 @@ class SamplingSession:
 
     async def sample(self, prompt: Prompt, prompt_ids: list[int], rng: random.Random) -> Sample:
         """One completion of `prompt` (under the rollout's length control, `rng` drawing its thinking budget), a
-        multi-turn trajectory when the prompt declares tools, scored by the reward workers on its decoded text."""
+        multi-turn trajectory when the prompt declares tools, scored by the reward workers on its decoded text (tool
+        responses left out: `graded_tokens`)."""
         version = lambda: self.version.current  # noqa: E731
         stats = None
         if prompt.tools:
@@ -121,7 +122,7 @@ class SamplingSession:
             )
         else:
             generated = await generate_completion(self.generate, prompt_ids, self.rollout, self.tokens, rng, version)
-        result = await self.rewards.score(self.encoder.decode(generated.tokens), prompt)
+        result = await self.rewards.score(self.encoder.decode(graded_tokens(generated.tokens, stats)), prompt)
         return Sample(generated, result, stats)
 
 

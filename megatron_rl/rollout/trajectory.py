@@ -21,7 +21,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from megatron_rl.config import RolloutConfig, ToolsConfig
 from megatron_rl.rewards.sandbox import SandboxUnavailable
@@ -74,10 +74,29 @@ class ToolStats:
     """Policy segments (a trajectory without calls has one)."""
     environment_tokens: int = 0
     tool_time_s: float = 0.0
+    responses: list[tuple[int, int]] = field(default_factory=list)
+    """[start, end) of each tool response in the trajectory's tokens: the environment's text, left out of what the
+    reward grades (`graded_tokens`)."""
 
     @property
     def used_tools(self) -> bool:
         return self.calls > 0
+
+
+def graded_tokens(tokens: list[int], stats: ToolStats | None) -> list[int]:
+    """A trajectory's tokens as its reward grades them: the policy's own, tool responses left out.
+
+    A tool's output is written by the policy's program, and the graders read text: a call printing
+    `</think>\\boxed{N}` would otherwise place an answer past the last `</think>` from inside a masked environment
+    segment, outside the answer budget of the length control. The interruption phrase, injected as well, stays: it
+    closes the thinking of an interrupted completion."""
+    if stats is None or not stats.responses:
+        return tokens
+    kept, start = [], 0
+    for begin, end in stats.responses:
+        kept += tokens[start:begin]
+        start = end
+    return kept + tokens[start:]
 
 
 async def generate_trajectory(
@@ -145,6 +164,7 @@ async def generate_trajectory(
                 tokens = tokens[: max(room - len(closing), 0)] + closing[:room]
                 stats.truncated += 1
             stats.environment_tokens += len(tokens)
+            stats.responses.append((len(out.tokens), len(out.tokens) + len(tokens)))
             out.inject(tokens, current_version())
             turn_start = len(out.tokens)
             continue
