@@ -20,7 +20,9 @@ Variants differ only in SGLang's server flags:
 Prints one table: requests/s, generated tokens/s, wall seconds, and the CPU milliseconds per request of the
 HTTP server process and of the engine's other processes (the scheduler and the detokenizer): on the loop's
 2 cores the engine's CPU, not its wall time alone, is what the trainer competes with. Compare tokens/s with the
-loop's `train/tokens` rate (benchmarks/README.md, "Default run").
+loop's `train/tokens` rate (benchmarks/README.md, "Default run"). A second table reads each process's memory
+after the load (/proc/<pid>/smaps): PSS, private, and where the private pages are (the brk heap, anonymous
+mappings, the largest of them: the scheduler's KV pool).
 """
 
 from __future__ import annotations
@@ -86,6 +88,45 @@ def _children_cpu_seconds(pid: int) -> float:
     return total
 
 
+def _smaps(pid: int) -> dict[str, float]:
+    """MiB of one process: PSS, private (what ending it frees), and of the private: the brk heap, anonymous
+    mappings, and the largest anonymous mapping (the scheduler's KV pool)."""
+    out = {"pss": 0.0, "private": 0.0, "heap": 0.0, "anonymous": 0.0, "largest anonymous": 0.0}
+    name, mapping_private = "", 0.0
+
+    def close_mapping() -> None:
+        if name == "[heap]":
+            out["heap"] += mapping_private
+        elif name == "":
+            out["anonymous"] += mapping_private
+            out["largest anonymous"] = max(out["largest anonymous"], mapping_private)
+
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and not parts[0].endswith(":"):  # a mapping's header line
+                close_mapping()
+                name, mapping_private = (parts[5] if len(parts) > 5 else ""), 0.0
+            elif parts[0] == "Pss:":
+                out["pss"] += int(parts[1]) / 1024
+            elif parts[0] in ("Private_Clean:", "Private_Dirty:"):
+                out["private"] += int(parts[1]) / 1024
+                mapping_private += int(parts[1]) / 1024
+    close_mapping()
+    return out
+
+
+def _memory(pid: int) -> dict[str, dict[str, float]]:
+    """The server's processes by role, as `_smaps` reads them."""
+    roles = {}
+    for process in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess, FileNotFoundError):
+            title = " ".join(process.cmdline())
+            role = next((r for r in ("scheduler", "detokenizer") if f"sglang::{r}" in title), "HTTP server")
+            roles[role] = _smaps(process.pid)
+    return roles
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=256)
@@ -118,6 +159,7 @@ def main() -> None:
             seconds, generated = asyncio.run(_load(server.url, prompts, group, args.tokens, args.concurrency))
             http_cpu = _cpu_seconds(server.pid) - http_before
             engine_cpu = _children_cpu_seconds(server.pid) - engine_before
+            memory = _memory(server.pid)
         finally:
             server.stop()
         requests = len(prompts) * group
@@ -130,6 +172,7 @@ def main() -> None:
                 "tokens_per_s": generated / seconds,
                 "http_cpu_ms_per_request": 1000 * http_cpu / requests,
                 "engine_cpu_ms_per_request": 1000 * engine_cpu / requests,
+                "memory_mib": memory,
             }
         )
     print(f"\n{args.prompts} prompts x {group} samples, {args.tokens} new tokens each, {args.concurrency} in flight\n")
@@ -140,6 +183,15 @@ def main() -> None:
             f"| {r['variant']} | {r['requests_per_s']:.0f} | {r['tokens_per_s']:.0f} | {r['seconds']:.1f} | "
             f"{r['http_cpu_ms_per_request']:.2f} | {r['engine_cpu_ms_per_request']:.2f} |"
         )
+    print("\nMemory after the load, MiB: PSS / private (of the private: heap, anonymous, largest anonymous mapping)\n")
+    print("| variant | process | PSS | private | heap | anonymous | largest anonymous |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in results:
+        for role, m in r["memory_mib"].items():
+            print(
+                f"| {r['variant']} | {role} | {m['pss']:.0f} | {m['private']:.0f} | {m['heap']:.0f} | "
+                f"{m['anonymous']:.0f} | {m['largest anonymous']:.0f} |"
+            )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
 
