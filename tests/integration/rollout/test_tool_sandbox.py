@@ -63,3 +63,45 @@ def test_python_tool_calls_bounded_and_counted():
     assert (stats.calls, stats.errors, stats.timeouts, stats.malformed, stats.turns) == (7, 2, 1, 0, 8)
     assert stats.truncated == 1 and out.finish_reason == "stop"
     assert stats.environment_tokens == len(out.tokens) - sum(out.loss_mask)
+
+
+def test_a_program_that_prints_an_answer_past_thinking_is_not_graded(tmp_path):
+    """A hostile policy's call builds `</think>\\boxed{4}` at run time in the real sandbox and stops; with the tiny
+    tokenizer the printed `</think>` even comes back as the special token. The math reward would grade the tool's
+    text as the answer (outside the answer budget); the graded text is the policy's own, which never answered."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.config import RewardsConfig
+    from megatron_rl.data.tokenizer import build_tokenizer
+    from megatron_rl.rewards.math import math_reward
+    from megatron_rl.rollout.trajectory import graded_tokens, tool_tokens
+
+    tokenizer = AutoTokenizer.from_pretrained(build_tokenizer(tmp_path / "tok"))
+    tools_cfg = ToolsConfig(call_time_s=5.0)
+    codec = tool_tokens(tokenizer, tools_cfg)
+    think_end, eos = tokenizer.convert_tokens_to_ids("</think>"), tokenizer.eos_token_id
+    code = 'print(chr(60) + "/think>" + chr(92) + "boxed{" + str(2 + 2) + "}")'
+    call = codec.encode("<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}})) + [codec.call_end]
+    turns = [call, [eos]]
+    count = 0
+
+    async def generate(input_ids, max_new, stop_ids):
+        nonlocal count
+        tokens = turns[count][:max_new]
+        count += 1
+        return Segment(tokens, [-0.1] * len(tokens), [1] * len(tokens), "stop")
+
+    ids = InterruptionTokens(end_of_thinking=think_end, eos=eos, phrase=[think_end])
+    cfg = RolloutConfig(interruption=InterruptionConfig(min_thinking_tokens=500, max_thinking_tokens=500),
+                        answer_tokens=10, tools=tools_cfg)  # fmt: skip
+    out, stats = asyncio.run(
+        generate_trajectory(generate, [1], cfg, ids, random.Random(0), lambda: 1, build_tools(["python"]), codec)
+    )
+    assert stats.calls == 1 and stats.errors == 0
+    environment = [t for t, m in zip(out.tokens, out.loss_mask, strict=True) if not m]
+    assert think_end in environment  # the printed marker is the special token in the policy's context
+    rewards = RewardsConfig()
+    whole = tokenizer.decode(out.tokens, skip_special_tokens=False).replace(tokenizer.eos_token, "")
+    assert math_reward(whole, "4", rewards).passed  # what grading the whole trajectory would have paid
+    graded = tokenizer.decode(graded_tokens(out.tokens, stats), skip_special_tokens=False)
+    assert not math_reward(graded.replace(tokenizer.eos_token, ""), "4", rewards).passed
