@@ -32,9 +32,8 @@ PROGRAMS = [
 ]
 
 
-def test_python_tool_calls_bounded_and_counted():
-    turns = [CODEC.encode("<tool_call>" + json.dumps({"name": "python", "arguments": {"code": p}})) + [CALL_END]
-             for p in PROGRAMS] + [CODEC.encode("done") + [EOS]]  # fmt: skip
+def scripted(turns):
+    """An engine that answers its i-th request with turns[i] (cut to the request's budget)."""
     count = 0
 
     async def generate(input_ids, max_new, stop_ids):
@@ -42,6 +41,14 @@ def test_python_tool_calls_bounded_and_counted():
         tokens = turns[count][:max_new]
         count += 1
         return Segment(tokens, [-0.1] * len(tokens), [1] * len(tokens), "stop")
+
+    return generate
+
+
+def test_python_tool_calls_bounded_and_counted():
+    turns = [CODEC.encode("<tool_call>" + json.dumps({"name": "python", "arguments": {"code": p}})) + [CALL_END]
+             for p in PROGRAMS] + [CODEC.encode("done") + [EOS]]  # fmt: skip
+    generate = scripted(turns)
 
     tools_cfg = ToolsConfig(max_calls=8, call_time_s=2.0, trajectory_time_s=30.0, max_output_bytes=200,
                             max_environment_tokens=4000)  # fmt: skip
@@ -83,13 +90,7 @@ def test_a_program_that_prints_an_answer_past_thinking_is_not_graded(tmp_path):
     code = 'print(chr(60) + "/think>" + chr(92) + "boxed{" + str(2 + 2) + "}")'
     call = codec.encode("<tool_call>" + json.dumps({"name": "python", "arguments": {"code": code}})) + [codec.call_end]
     turns = [call, [eos]]
-    count = 0
-
-    async def generate(input_ids, max_new, stop_ids):
-        nonlocal count
-        tokens = turns[count][:max_new]
-        count += 1
-        return Segment(tokens, [-0.1] * len(tokens), [1] * len(tokens), "stop")
+    generate = scripted(turns)
 
     ids = InterruptionTokens(end_of_thinking=think_end, eos=eos, phrase=[think_end])
     cfg = RolloutConfig(interruption=InterruptionConfig(min_thinking_tokens=500, max_thinking_tokens=500),
