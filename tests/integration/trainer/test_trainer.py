@@ -219,7 +219,15 @@ def _run(tmp: Path, name: str, spec: dict, world: int = 1) -> list[dict]:
                 text=True,
             )
         )
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    try:
+        outputs = [p.communicate(timeout=300)[0] for p in procs]
+    except subprocess.TimeoutExpired:
+        # a rank that died leaves its peers waiting in a collective: end them all and show every rank's output
+        for p in procs:
+            p.kill()
+        outputs = [p.communicate()[0] for p in procs]
+        raise AssertionError("\n".join(f"rank {r} ({p.returncode}): {out[-3000:]}" for r, (p, out) in
+                                        enumerate(zip(procs, outputs, strict=True)))) from None  # fmt: skip
     for p, out in zip(procs, outputs, strict=True):
         assert p.returncode == 0, out[-4000:]
     return [torch.load(f"{spec['out']}.rank{r}", weights_only=False) for r in range(world)]
