@@ -38,6 +38,7 @@ ROLES = [  # (substring of the command line, role), first match wins
     ("megatron_rl.orchestration.reaper", "reaper (driver's watcher)"),
     ("gcs_server", "Ray GCS"),
     ("raylet/raylet", "Ray raylet"),
+    ("ray_agent_stand_in.py", "Ray dashboard agent (stand-in)"),
     ("dashboard/dashboard.py", "Ray dashboard (minimal)"),
     ("DashboardAgent", "Ray dashboard agent"),
     ("dashboard/agent.py", "Ray dashboard agent"),
@@ -180,10 +181,13 @@ def main() -> None:
     start = loop_start(run["lines"], args.output_dir / "run" / "metrics.jsonl")
     rows = table(run, start)
     peak_t, peak_total, _ = max(run["totals"], key=lambda total: total[1])
+    before = [line.split("|")[0].strip() for t, line in run["lines"] if t <= peak_t and line.startswith("step ")]
+    median = sorted(total for _, total, _ in run["totals"])[len(run["totals"]) // 2]
 
     print(
         f"{args.recipe}, {args.steps} steps: loop start {start:.1f} s after launch, run {run['wall_s']:.0f} s, "
-        f"peak PSS {peak_total / 1e9:.2f} GB at {peak_t:.0f} s over {sum(r['processes'] for r in rows)} processes"
+        f"peak PSS {peak_total / 1e9:.2f} GB at {peak_t:.0f} s (after {before[-1] if before else 'no step line'})"
+        f" over {sum(r['processes'] for r in rows)} processes; median over the samples {median / 1e9:.2f} GB"
     )
     print("| role | processes | born | CPU to loop | CPU total | PSS at peak | private at peak | own peak |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -198,6 +202,7 @@ def main() -> None:
     print(f"| all | {count} | | {cpu_loop:.1f} s | {cpu:.1f} s | {peak_total / 1e6:.0f} MB | {private:.0f} MB | |")
     if args.json:
         result = {"loop_start_s": start, "wall_s": run["wall_s"], "peak_pss": peak_total, "peak_at_s": peak_t}
+        result["pss_over_time"] = [(round(t, 1), total) for t, total, _ in run["totals"]]
         args.json.write_text(json.dumps({**result, "roles": rows}, indent=1))
 
 

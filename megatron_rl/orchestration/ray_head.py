@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -90,21 +94,23 @@ def _keeping_sigterm(keep: bool) -> Any:
 @contextlib.contextmanager
 def _one_machine_head() -> Any:
     """A local Ray head without the processes a one-machine run never uses: the autoscaler's monitor (one
-    machine's Ray has no nodes to add or remove; 55 MB of memory) and the API server (`dashboard.py`, behind Ray's
-    jobs, state API and dashboard, none of which a run calls; ~1 s of CPU on the start-up's busy cores and ~100 MB).
-    `ray.init` exposes no switch for either: `ray start --head` has one for the monitor (`--no-monitor`, the field
-    `RayParams.no_monitor` it sets), which the head `ray.init` starts is given, and the node's `start_api_server`
-    does nothing while it starts. The dashboard agent starts minimal (`--minimal`, as with Ray's minimal install:
-    no metrics export or HTTP server, which only the dashboard reads): `ray.init` decides that by importing the
-    dashboard's optional dependencies (aiohttp, grpc, prometheus, opencensus; ~0.25 CPU-s, and Ray's start 0.5 s
-    later, measured alternating), which it is told are absent. Ray's log monitor (actors' output on this console),
-    raylet and agents still start; a head started by `ray start` (a Slurm allocation) is joined as it is."""
+    machine's Ray has no nodes to add or remove; 55 MB of memory), the API server (`dashboard.py`, behind Ray's
+    jobs, state API and dashboard, none of which a run calls; ~1 s of CPU on the start-up's busy cores and ~100 MB)
+    and the dashboard agent, whose every module serves only those (`ray_agent_stand_in.py` takes its place: ~3 MiB
+    of private memory where the agent held ~77). `ray.init` exposes no switch for any of them: `ray start --head` has
+    one for the monitor (`--no-monitor`, the field `RayParams.no_monitor` it sets), which the head `ray.init` starts
+    is given; the node's `start_api_server` does nothing while it starts; the raylet's command names the stand-in as
+    its dashboard agent. `ray.init` would also import the dashboard's optional dependencies (aiohttp, grpc,
+    prometheus, opencensus; ~0.25 CPU-s, and Ray's start 0.5 s later, measured alternating) to decide how to start
+    the agent; it is told they are absent. Ray's log monitor (actors' output on this console), GCS, raylet and
+    runtime-env agent still start; a head started by `ray start` (a Slurm allocation) is joined as it is."""
     import ray._private.node as node
     import ray._private.parameter as parameter
+    import ray._private.services as services
     import ray._private.utils as utils
 
     base, start_api_server = parameter.RayParams, node.Node.start_api_server
-    dependency_error = utils.get_dashboard_dependency_error
+    dependency_error, start_process = utils.get_dashboard_dependency_error, services.start_ray_process
 
     class HeadParams(base):  # type: ignore[misc, valid-type]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -114,8 +120,29 @@ def _one_machine_head() -> Any:
     parameter.RayParams = HeadParams
     node.Node.start_api_server = lambda self, **kwargs: None
     utils.get_dashboard_dependency_error = lambda: ImportError("a one-machine run starts no dashboard")
+
+    def start_ray_process(command: list[str], process_type: str, *args: Any, **kwargs: Any) -> Any:
+        if process_type == services.ray_constants.PROCESS_TYPE_RAYLET:
+            command = [_stand_in_agent(part) if part.startswith(DASHBOARD_AGENT) else part for part in command]
+        return start_process(command, process_type, *args, **kwargs)
+
+    services.start_ray_process = start_ray_process
     try:
         yield
     finally:
         parameter.RayParams, node.Node.start_api_server = base, start_api_server
-        utils.get_dashboard_dependency_error = dependency_error
+        utils.get_dashboard_dependency_error, services.start_ray_process = dependency_error, start_process
+
+
+DASHBOARD_AGENT = "--dashboard_agent_command="
+STAND_IN = Path(__file__).with_name("ray_agent_stand_in.py")
+
+
+def _stand_in_agent(flag: str) -> str:
+    """The raylet's `--dashboard_agent_command=<command line>` flag with the stand-in as the command, given the real
+    agent's node id and session directory (the raylet splits the line as a shell would)."""
+    agent = shlex.split(flag[len(DASHBOARD_AGENT) :])
+    kept = [arg for arg in agent if arg.startswith(("--node-id=", "--session-dir="))]
+    if len(kept) != 2:
+        raise RuntimeError(f"ray: the dashboard agent's command has no --node-id or --session-dir: {agent}")
+    return DASHBOARD_AGENT + subprocess.list2cmdline([sys.executable, "-S", "-I", str(STAND_IN), *kept])
