@@ -169,7 +169,7 @@ def record_downstream(
 
 def _live_fit(rows: list[Row], latest: dict[str, float], device_hours: float, fit_start: float, metric: str) -> Row:
     """Predicted asymptote A (with its interval) from the validation points so far (scaling toolkit)."""
-    from megatron_rl.scaling import live_prediction  # SciPy: imported at the first fit, not at start-up
+    from megatron_rl.scaling import live_prediction  # numpy only: no scipy in the driver (~70 MiB it would hold)
 
     points = [r for r in rows if r.get(metric) is not None]
     points.append({"step": -1, "device_hours": device_hours, **latest})

@@ -124,15 +124,24 @@ def _ar_residual_moments(phi: float, basis: Array) -> tuple[Array, Array]:
     """Diagonal and first sub-diagonal of (I - P) S (I - P), the covariance of residuals left by projecting
     AR(1) noise of unit variance (S_ij = phi^|i - j|) off span(basis) (P = basis basis^T). O(m q^2): S
     applied by a forward and a backward AR filter instead of as a matrix."""
-    from scipy.signal import lfilter  # 1.4 s of imports: paid by the fits that use it, not by `plan`
-
     Q = basis
-    SQ = lfilter([1.0], [1.0, -phi], Q, axis=0) + lfilter([1.0], [1.0, -phi], Q[::-1], axis=0)[::-1] - Q
+    SQ = ar1_filter(Q, phi, axis=0) + ar1_filter(Q[::-1], phi, axis=0)[::-1] - Q
     G = Q.T @ SQ
     QG = Q @ G
     diag = 1.0 - 2 * (Q * SQ).sum(1) + (QG * Q).sum(1)
     sub = phi - (Q[1:] * SQ[:-1]).sum(1) - (SQ[1:] * Q[:-1]).sum(1) + (QG[1:] * Q[:-1]).sum(1)
     return diag, sub
+
+
+def ar1_filter(x: Array, phi: float, axis: int) -> Array:
+    """y_t = x_t + phi y_(t-1) along `axis`, from y_(-1) = 0: scipy.signal.lfilter([1], [1, -phi], x, axis=axis),
+    bitwise (the same products and sums in the same order), by the recursion itself. numpy only: scipy.signal's
+    imports (with scipy.optimize and scipy.special, ~70 MiB and ~1.4 s) would stay in the training run's driver
+    after its first live fit (live.py)."""
+    y = np.array(np.moveaxis(np.asarray(x, dtype=np.float64), axis, 0))
+    for t in range(1, y.shape[0]):
+        y[t] += phi * y[t - 1]
+    return np.moveaxis(y, 0, axis)
 
 
 def block_length(phi: float, m: int) -> int:
@@ -316,13 +325,11 @@ def _resample(
         return out
     # Sieve: the innovations u_t = e_t - phi e_(t-1), centred and drawn with replacement, fed through the
     # AR(1) recursion from zero; a burn-in with phi^burn < 1e-3 makes each series start stationary.
-    from scipy.signal import lfilter
-
     innovations = np.concatenate([e[1:] - phi * e[:-1] for e in series])
     innovations -= innovations.mean()
     burn = math.ceil(math.log(1e-3) / math.log(abs(phi))) if abs(phi) > 1e-3 else 0
     out = []
     for e in series:
         u = rng.choice(innovations, size=(n, burn + e.size), replace=True)
-        out.append(lfilter([1.0], [1.0, -phi], u, axis=1)[:, burn:])
+        out.append(ar1_filter(u, phi, axis=1)[:, burn:])
     return out

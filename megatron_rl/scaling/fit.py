@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
-from scipy.special import expit
 
 Array = NDArray[np.float64]
 
@@ -42,6 +41,14 @@ C_MID_MARGIN = 100.0
 
 class FitError(ValueError):
     """The data cannot be fitted: too few points after the cut, non-finite values, a missing column..."""
+
+
+def expit(z: ArrayLike) -> Array:
+    """1 / (1 + e^-z), as scipy.special.expit computes it (bitwise, measured on 10^6 normal draws of sd 30; e^-z
+    overflowing to inf gives 0): numpy only, since importing scipy.special holds ~24 MiB in the training run's driver,
+    whose live fit (live.py) uses this module."""
+    with np.errstate(over="ignore"):
+        return 1.0 / (1.0 + np.exp(-np.asarray(z, dtype=np.float64)))
 
 
 def sigmoid(compute: ArrayLike, A: ArrayLike, B: ArrayLike, C_mid: ArrayLike, R0: float) -> Array:

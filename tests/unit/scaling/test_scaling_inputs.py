@@ -10,8 +10,9 @@ import pytest
 
 from megatron_rl.metrics import read_metrics
 from megatron_rl.scaling import live_prediction
+from megatron_rl.scaling.bootstrap import ar1_filter
 from megatron_rl.scaling.curves import label_for, load_curve, load_curves, sort_key
-from megatron_rl.scaling.fit import FitError
+from megatron_rl.scaling.fit import FitError, expit
 from megatron_rl.scaling.synthetic import synthetic_curve, table1_curve, write_metrics_jsonl
 
 
@@ -147,3 +148,19 @@ def test_live_prediction_waits_for_points_then_reports_a_with_its_interval():
     assert unsure["scaling/degenerate"] == 1.0 and "not identified" in unsure.reason
     flat = [{"device_hours": float(i), "val/pass_rate": 1.0} for i in range(20)]
     assert live_prediction(flat) == {} and "A_max" in live_prediction(flat).reason
+
+
+def test_the_numpy_expit_and_ar1_filter_are_scipy_s_bitwise() -> None:
+    from scipy.signal import lfilter
+    from scipy.special import expit as scipy_expit
+
+    rng = np.random.default_rng(7)
+    z = np.concatenate([rng.normal(0, 30, 100_000), [-1e4, -745.2, 0.0, 745.2, 1e4, np.inf, -np.inf]])
+    assert np.array_equal(expit(z), scipy_expit(z))
+    assert np.isnan(expit(np.nan)) and expit(-1e4) == 0.0 and expit(np.inf) == 1.0
+    for shape, axis in (((60, 4), 0), ((300, 141), 1), ((9,), 0)):
+        for phi in (0.0, 0.37, 0.95, -0.6):
+            x = rng.normal(size=shape)
+            assert np.array_equal(ar1_filter(x, phi, axis=axis), lfilter([1.0], [1.0, -phi], x, axis=axis))
+    x = rng.normal(size=(40, 3))
+    assert np.array_equal(ar1_filter(x[::-1], 0.5, axis=0), lfilter([1.0], [1.0, -0.5], x[::-1], axis=0))
