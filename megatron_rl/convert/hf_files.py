@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+from megatron_rl.convert.hf_headers import INDEX, SINGLE, HeaderIndex
+
+__all__ = ["INDEX", "SINGLE", "HFReader", "HeaderIndex", "ShardedWriter", "copy_side_files", "parse_size"]
 SIDE_FILES = (
     "generation_config.json",
     "tokenizer.json",
@@ -88,71 +89,6 @@ class HFReader:
 
     def close(self) -> None:
         self._files.clear()
-
-
-class HeaderIndex:
-    """The tensors of an HF checkpoint directory as its safetensors headers list them, read without loading anything
-    (the 8-byte header length and the JSON header of each file), with every weight file checked: present, a readable
-    header, and as long as the header says its data is. A copy cut short, a shard missing from the index or a
-    directory without weights raises ValueError naming the file. Same face as HFReader for the name and shape
-    checks (`names`, `prefix`, `shape`, `dir`)."""
-
-    def __init__(self, hf_dir: str | Path, prefix: str = "") -> None:
-        self.dir = Path(hf_dir)
-        self.prefix = prefix
-        if (self.dir / INDEX).is_file():
-            try:
-                weight_map: dict[str, str] = json.loads((self.dir / INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{self.dir / INDEX}: not a safetensors index ({exc})") from None
-            files = sorted(set(weight_map.values()))
-        elif (self.dir / SINGLE).is_file():
-            files, weight_map = [SINGLE], {}
-        elif any(self.dir.glob("*.bin")) or any(self.dir.glob("*.pth")):
-            raise ValueError(f"{self.dir}: only safetensors checkpoints are read; convert the .bin/.pth files first")
-        else:
-            raise ValueError(f"{self.dir}: no weights ({SINGLE} or {INDEX})")
-        self._shapes: dict[str, tuple[int, ...]] = {}
-        self.nbytes = 0
-        """Bytes of all weight files."""
-        for file in files:
-            for name, shape in _header_shapes(self.dir / file).items():
-                if weight_map and weight_map.get(name) != file:
-                    raise ValueError(f"{self.dir / file}: holds {name}, which {INDEX} places in {weight_map.get(name)}")
-                self._shapes[name] = shape
-            self.nbytes += (self.dir / file).stat().st_size
-        unlisted = sorted(set(weight_map) - set(self._shapes))
-        if unlisted:
-            raise ValueError(f"{self.dir}: {INDEX} lists {len(unlisted)} tensors no file holds: {unlisted[:5]}")
-        self.files = files
-
-    @property
-    def names(self) -> set[str]:
-        return set(self._shapes)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[self.prefix + name]
-
-
-def _header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from one safetensors file's header; ValueError if the file is missing, its header
-    unreadable, or it is shorter than its tensors' data."""
-    if not path.is_file():
-        raise ValueError(f"{path}: weight file missing")
-    size = path.stat().st_size
-    try:
-        with path.open("rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > size - 8:
-                raise ValueError(f"a header of {length} bytes")
-            header = json.loads(f.read(length))
-    except (struct.error, ValueError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not a safetensors file ({exc})") from None
-    header.pop("__metadata__", None)
-    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + length + end > size:
-        raise ValueError(f"{path}: {size} bytes, but its header describes {8 + length + end}: the file is cut short")
-    return {name: tuple(entry["shape"]) for name, entry in header.items()}
 
 
 def parse_size(text: str | int) -> int:

@@ -25,18 +25,15 @@ from typing import Any
 import torch
 
 from megatron_rl.config import ModelConfig, ParallelConfig, TrainerConfig
-from megatron_rl.convert.hf_files import HeaderIndex, HFReader
+from megatron_rl.convert.hf_files import HFReader
+from megatron_rl.convert.hf_headers import HeaderIndex, check_config_json, verify_hf_files
 from megatron_rl.convert.runtime import megatron_process, spawn
 from megatron_rl.models import (
-    FAMILIES,
     canonical_shapes,
     family,
-    family_of,
     from_hf,
-    hf_configs,
     hf_shapes,
     model_config_from_hf,
-    read_hf_config,
 )
 
 ALWAYS_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -54,30 +51,12 @@ def _listed(kind: str, names: list[str], limit: int = 50) -> str:
     return f"{len(names)} {kind}: {', '.join(names[:limit])}{more}"
 
 
-def check_config_json(cfg: ModelConfig, hf_dir: Path) -> None:
-    """config.json (when present) must describe the model being loaded."""
-    if not (hf_dir / "config.json").exists():
-        return
-    hf = read_hf_config(hf_dir)
-    name = family_of(hf)
-    if name != cfg.family:
-        raise ValueError(f"{hf_dir}: config.json is a {name} model, model.family is {cfg.family!r}")
-    diffs = hf_configs.differences(cfg, FAMILIES[name].model_config(hf, cfg.name))
-    if diffs:
-        raise ValueError(f"{hf_dir}: config.json disagrees with the model config: {'; '.join(diffs)}")
-
-
 def verify_hf_checkpoint(cfg: ModelConfig, hf_dir: str | Path) -> HeaderIndex:
     """The HF directory a run starts from, checked against the model before anything starts: config.json's
     architecture and dimensions, then every weight file (present, complete) and every tensor's name and shape,
     from the files' headers alone (nothing is loaded). Raises ValueError naming what differs."""
-    hf_dir = Path(hf_dir)
-    if not (hf_dir / "config.json").is_file():
-        raise ValueError(f"{hf_dir} has no config.json (not a Hugging Face checkpoint directory)")
+    index = verify_hf_files(cfg, hf_dir)
     module = family(cfg)
-    module.check(cfg)
-    check_config_json(cfg, hf_dir)
-    index = HeaderIndex(hf_dir)
     index.prefix = getattr(module, "checkpoint_prefix", lambda names: "")(index.names)
     shapes = hf_shapes(cfg, canonical_shapes(cfg).items())
     check_hf_tensors(index, cfg, set(shapes), shapes)

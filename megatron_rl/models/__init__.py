@@ -30,14 +30,15 @@ import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import ModelConfig
 from megatron_rl.models import layers, llama, llama4, qwen3, qwen3_moe
 from megatron_rl.models.layers import FromHF, HFTensors, Stacked
+
+if TYPE_CHECKING:  # torch is imported where tensors are touched: the driver checks a config.json without it
+    import torch
+    from torch import Tensor
 
 FAMILIES: dict[str, ModuleType] = {"llama": llama, "qwen3": qwen3, "qwen3_moe": qwen3_moe, "llama4": llama4}
 
@@ -122,6 +123,8 @@ class HFMapper:
                 raise ValueError(f"{hf_name}: part {value.index} given twice (from {name})")
             parts[value.index] = value.tensor
             if all(p is not None for p in parts):
+                import torch
+
                 out.append((hf_name, torch.stack(parts)))  # type: ignore[arg-type]
                 del self._stacks[hf_name]
         return out
@@ -146,6 +149,8 @@ def hf_plan(
     cfg: ModelConfig, canonical: Iterable[tuple[str, tuple[int, ...], torch.dtype]]
 ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
     """(HF name, shape, dtype), in emission order, for canonical tensors given in order; nothing is allocated."""
+    import torch
+
     mapper = HFMapper(cfg)
     meta = ((name, torch.empty(shape, dtype=dtype, device="meta")) for name, shape, dtype in canonical)
     return [(name, tuple(t.shape), t.dtype) for name, t in mapper.map_all(meta)]
@@ -153,6 +158,8 @@ def hf_plan(
 
 def hf_shapes(cfg: ModelConfig, canonical: Iterable[tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
     """HF name -> shape for canonical (name, shape) pairs."""
+    import torch
+
     return {name: shape for name, shape, _ in hf_plan(cfg, ((n, s, torch.float32) for n, s in canonical))}
 
 

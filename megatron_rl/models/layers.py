@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
-
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from megatron_rl.config import ModelConfig
+
+if TYPE_CHECKING:  # torch is imported where tensors are touched: reading a config.json needs none (driver)
+    from torch import Tensor
 
 
 class Reader(Protocol):
@@ -65,7 +65,7 @@ class Stacked:
     tensor: Tensor
 
 
-HFTensors = list[tuple[str, Tensor | Stacked]]
+HFTensors: TypeAlias = "list[tuple[str, Tensor | Stacked]]"
 
 
 def copy(name: str, hf: str) -> FromHF:
@@ -95,6 +95,8 @@ def join_qkv(q: Tensor, k: Tensor, v: Tensor, cfg: ModelConfig) -> Tensor:
     for proj, tensor in zip(expected, (q, k, v), strict=True):
         if tensor.dim() != 2 or tensor.shape[0] != expected[proj] or tensor.shape[1] != hidden:
             raise ValueError(f"{proj}: expected shape ({expected[proj]}, {hidden}), got {tuple(tensor.shape)}")
+    import torch
+
     parts = [q.view(groups, per_group, dim, hidden), k.view(groups, 1, dim, hidden), v.view(groups, 1, dim, hidden)]
     return torch.cat(parts, dim=1).reshape(-1, hidden)
 
@@ -146,6 +148,8 @@ def split_fc1(fc1: Tensor) -> tuple[Tensor, Tensor]:
 def join_fc1(gate: Tensor, up: Tensor) -> Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"gate_proj and up_proj differ in shape: {tuple(gate.shape)} vs {tuple(up.shape)}")
+    import torch
+
     return torch.cat([gate, up], dim=0)
 
 

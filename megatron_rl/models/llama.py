@@ -7,13 +7,14 @@ low/high frequency factors; attention and MLP biases (`attention_bias`, `mlp_bia
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import ModelConfig
 from megatron_rl.models import hf_configs, layers
 from megatron_rl.models.layers import FromHF, HFTensors
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MODEL_TYPES = ("llama",)
 

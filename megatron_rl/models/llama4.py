@@ -28,13 +28,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import ModelConfig
 from megatron_rl.models import hf_configs, layers
 from megatron_rl.models.layers import FromHF, HFTensors, Reader, Stacked
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MODEL_TYPES = ("llama4_text", "llama4")
 MULTIMODAL_PREFIX = "language_model."

@@ -15,13 +15,14 @@ an irregular `mlp_only_layers` list is not supported.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
-
-from torch import Tensor
+from typing import TYPE_CHECKING, Any
 
 from megatron_rl.config import ModelConfig
 from megatron_rl.models import hf_configs, layers
 from megatron_rl.models.layers import FromHF, HFTensors
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 MODEL_TYPES = ("qwen3_moe",)
 _EXPERT = "mlp.experts.local_experts."

@@ -60,11 +60,12 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
     """The Hugging Face directory RL starts from: `model.hf_path`, or a tiny model built here and warmed up
     on the synthetic task's worked solutions (`trainer.warm_start_steps`)."""
     if run.model.hf_path:
-        from megatron_rl.convert.hf_import import verify_hf_checkpoint
+        from megatron_rl.convert.hf_headers import verify_hf_files
 
         path = Path(run.model.hf_path)
-        try:  # before the trainer ranks and engines start: another model, or weights missing or cut short
-            verify_hf_checkpoint(run.model, path)
+        try:  # before the trainer ranks and engines start: another model, or weights missing or cut short (without
+            # torch; each trainer rank checks every tensor's name and shape as it imports them)
+            verify_hf_files(run.model, path)
         except ValueError as exc:
             raise ConfigError(f"model.hf_path: {exc}") from None
         return path
