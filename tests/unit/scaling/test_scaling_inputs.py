@@ -150,13 +150,14 @@ def test_live_prediction_waits_for_points_then_reports_a_with_its_interval():
     assert live_prediction(flat) == {} and "A_max" in live_prediction(flat).reason
 
 
-def test_the_numpy_expit_and_ar1_filter_are_scipy_s_bitwise() -> None:
+def test_the_numpy_expit_and_ar1_filter_are_scipy_s() -> None:
     from scipy.signal import lfilter
     from scipy.special import expit as scipy_expit
 
     rng = np.random.default_rng(7)
     z = np.concatenate([rng.normal(0, 30, 100_000), [-1e4, -745.2, 0.0, 745.2, 1e4, np.inf, -np.inf]])
-    assert np.array_equal(expit(z), scipy_expit(z))
+    # numpy's e^x is its own vectorised one on AVX-512 CPUs, the C library's elsewhere (then bitwise scipy's)
+    np.testing.assert_array_max_ulp(expit(z), scipy_expit(z), maxulp=4)
     assert np.isnan(expit(np.nan)) and expit(-1e4) == 0.0 and expit(np.inf) == 1.0
     for shape, axis in (((60, 4), 0), ((300, 141), 1), ((9,), 0)):
         for phi in (0.0, 0.37, 0.95, -0.6):
