@@ -29,7 +29,7 @@ import dataclasses
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -55,6 +55,30 @@ from megatron_rl.trainer.checkpoint import latest_checkpoint, record_starting_mo
 
 if TYPE_CHECKING:  # torch: imported while Ray starts (prepare_inputs), not at the CLI's start
     from megatron_rl.rollout.pipeline import RolloutPipeline
+
+
+class StartupTimeline:
+    """When each part of the start-up was done, in seconds from the driver's launch (its process's start, so the
+    CLI's own imports count): one line on the console when the loop starts, which names the part that held it."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.launched = psutil.Process().create_time()
+        self.marks: dict[str, float] = {}
+
+    def mark(self, part: str, ago: float = 0.0) -> None:
+        """`part` done now, or `ago` seconds before now."""
+        self.marks[part] = time.time() - ago - self.launched
+
+    async def timed(self, awaitable: Awaitable[Any], part: str) -> Any:
+        outcome = await awaitable
+        self.mark(part)
+        return outcome
+
+    def line(self) -> str:
+        parts = ", ".join(f"{part} {seconds:.1f}" for part, seconds in self.marks.items())
+        return f"start-up {time.time() - self.launched:.1f} s from launch ({parts})"
 
 
 class RunStopped(RuntimeError):
@@ -261,6 +285,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     weight-sync group, the checkpoint resumed from, the pipeline and the logger. Whatever can refuse the start
     (output directory, data, sandbox, starting model, budgets) is checked before the run's config, metrics or
     checkpoints are written, so a refused start leaves them as they were."""
+    timeline = StartupTimeline()
     run_dir = Path(run.output_dir) / run.name
     check_writable(run_dir)
     # The checkpoint to resume from, verified against its manifest before anything starts, and the config it was saved
@@ -278,8 +303,10 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
     prepared = _in_daemon_thread(prepare_inputs, run, launch, checkpoint)
     try:
         start_ray(run)
+        timeline.mark("Ray")
         stop.install()  # over the handler Ray's core worker installed
         inputs = await prepared
+        timeline.mark("inputs")
         splits = inputs.splits
     except BaseException:
         prepared.cancel()
@@ -304,7 +331,9 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         raise
     rewards: RewardWorkers | None = None
     try:
-        await asyncio.gather(engines.start(), trainers.ready())
+        await asyncio.gather(timeline.timed(engines.start(), "engines"), timeline.timed(trainers.ready(), "trainer"))
+        if launch is not None and launch.servers:
+            timeline.mark("engines launched", ago=time.monotonic() - min(s.started_at for s in launch.servers))
 
         from megatron_rl.algo.filters import NoPositiveResampling
         from megatron_rl.rollout.pipeline import RolloutPipeline
@@ -322,10 +351,12 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
             print(f"forked from {forked}: its weights, with a fresh optimizer, data order and step count", flush=True)
         else:
             await trainers.call("load_hf", str(inputs.policy))
+        timeline.mark("weights")
         step = await trainers.call("version")
         await engines.connect_weight_sync(trainers)
         if checkpoint is not None or forked is not None:
             await engines.push_weights(trainers, step)
+        timeline.mark("weight sync")
 
         # The reward workers' start (their imports, ~1 s of CPU) comes now, not beside the engines' and trainer's on
         # the start-up's busy cores: the first rewards are needed at the end of the first evaluation's generation.
@@ -345,6 +376,7 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
             print(f"config changed at step {change.step}: {change.describe()}", flush=True)
             logger.mark({**change.record(), "device_hours": start_hours})
         evaluations = Evaluations(run, run_dir, session, splits.val, inputs.downstream, clock, logger.path)
+        print(timeline.line(), flush=True)
         return Parts(
             run, run_dir, splits, stop, trainers, engines, rewards, sampler, pipeline, evaluations, clock, logger,
             step, regenerated, splits.fingerprints(),

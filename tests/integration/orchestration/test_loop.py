@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,6 +45,14 @@ def _train(
     # wandb's service is ended by the run's own shutdown (wandb.teardown), not by the final sweep, whose kill
     # made wandb's exit hook fail with a traceback
     assert "wandb-core" not in out.stdout and "ConnectionResetError" not in out.stderr, out.stderr[-5000:]
+    # the start-up's parts, each when it was done, in seconds from the launch: the weights load after the trainer
+    # ranks and the engines are up, the weight-sync group forms after that, and the loop starts last
+    startup = re.search(r"^start-up ([0-9.]+) s from launch \((.*)\)$", out.stdout, re.MULTILINE)
+    assert startup, out.stdout[-3000:]
+    done = {part: float(seconds) for part, seconds in (item.rsplit(" ", 1) for item in startup[2].split(", "))}
+    assert {"Ray", "inputs", "trainer", "engines", "engines launched", "weights", "weight sync"} == set(done)
+    assert 0 < done["engines launched"] < done["engines"] <= done["weights"] <= done["weight sync"]
+    assert done["trainer"] <= done["weights"] and done["weight sync"] <= float(startup[1])
     lines = (tmp / name / "metrics.jsonl").read_text().splitlines()
     header = json.loads(lines[0])
     assert header["run"]["name"] == name
