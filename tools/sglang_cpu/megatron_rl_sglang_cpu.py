@@ -155,6 +155,17 @@ SGLANG_EXTERNAL_MODEL_PACKAGE, unless set, names `megatron_rl_sglang_cpu_models`
 classes of SGLang's Llama and Qwen-3 modules (the CPU runs' architectures): SGLang's own switch for a package of
 models registered first; any other architecture (a miss) makes the registry import all of SGLang's models as
 before. The classes served are SGLang's own in both cases.
+
+11. No post-warm-up GC freeze request from a CPU server that skips its warm-up.
+
+Why: after its warm-up SGLang's server posts `/freeze_gc` to itself (`_freeze_gc_after_server_warmup`), so that
+its processes freeze their objects out of the collector's reach. With `--skip-server-warmup` (the CPU engine's
+command) it posts at once, before its HTTP listener is up: the request is refused and every start logged "post-warmup
+freeze_gc failed" with a ~40-line ConnectionRefusedError traceback, in a log users read for errors.
+
+What: on CPU, when the server skips its warm-up, that function does nothing. Nothing was frozen by it before either
+(the request never arrived); the scheduler and detokenizer freeze the objects they inherit at the fork (7). With
+the warm-up run, SGLang's function runs as is.
 """
 
 from __future__ import annotations
@@ -572,6 +583,24 @@ def _patch_sampler(module: types.ModuleType) -> None:
         module.sampling_from_probs_torch = inverse_cdf_sampling(module.sampling_from_probs_torch)
 
 
+def no_freeze_without_warmup(original, serving):  # type: ignore[no-untyped-def]
+    """`_freeze_gc_after_server_warmup`, skipped when the server skipped its warm-up (`serving()`'s flag)."""
+
+    def run(server_args):  # type: ignore[no-untyped-def]
+        if serving().skip_server_warmup:
+            return None
+        return original(server_args)
+
+    run.megatron_rl_original = original  # type: ignore[attr-defined]
+    return run
+
+
+def _patch_http_server(module: types.ModuleType) -> None:
+    original = module._freeze_gc_after_server_warmup
+    if not hasattr(original, "megatron_rl_original"):
+        module._freeze_gc_after_server_warmup = no_freeze_without_warmup(original, module.get_serving)
+
+
 def _patch_engine_entrypoint(module: types.ModuleType) -> None:
     if not hasattr(module._set_envs_and_config, "megatron_rl_original"):
         module._set_envs_and_config = fork_children(module._set_envs_and_config)
@@ -614,6 +643,7 @@ PATCHES = {
     "sglang.srt.layers.moe.fused_moe_native": _patch_native_moe,
     "sglang.srt.entrypoints.engine": _patch_engine_entrypoint,
     "sglang.srt.layers.sampler": _patch_sampler,
+    "sglang.srt.entrypoints.http_server": _patch_http_server,
 }
 """Module -> the patch applied right after SGLang's module is executed (CPU only)."""
 

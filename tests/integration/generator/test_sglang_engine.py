@@ -118,6 +118,14 @@ def test_readiness_and_health_probes_generate_nothing(server):
     assert "Prefill batch" not in server.log_path.read_text()  # the fixture's wait_ready and the probe: no request
 
 
+def test_a_cpu_server_starts_without_an_error_in_its_log(server):
+    """SGLang posts its post-warm-up `/freeze_gc` before its listener is up when the warm-up is skipped (the CPU
+    engine's command): every start logged a ConnectionRefusedError traceback until the CPU shim skipped it."""
+    log = server.log_path.read_text()
+    assert "Application startup complete" in log
+    assert "Traceback" not in log and "freeze_gc failed" not in log, log[-3000:]
+
+
 def test_generate_returns_tokens_logprobs_versions_and_finish(server, eos):
     async def go():
         client = SGLangClient(server.url)
