@@ -77,7 +77,9 @@ class StartupTimeline:
         return outcome
 
     def line(self) -> str:
-        parts = ", ".join(f"{part} {seconds:.1f}" for part, seconds in self.marks.items())
+        """The parts in the order they were done (a part marked `ago` goes where it happened)."""
+        done = sorted(self.marks.items(), key=lambda item: item[1])
+        parts = ", ".join(f"{part} {seconds:.1f}" for part, seconds in done)
         return f"start-up {time.time() - self.launched:.1f} s from launch ({parts})"
 
 
