@@ -39,7 +39,8 @@ def megatron_process(parallel: ParallelConfig, seed: int = 0, moe: bool = False)
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe.moe_logging import destroy_moe_metrics_tracker
 
-    from megatron_rl.trainer.distributed import free_port, init_distributed, process_group_backend
+    from megatron_rl.ports import free_port
+    from megatron_rl.trainer.distributed import init_distributed, process_group_backend
 
     created_group = not dist.is_initialized()
     if created_group and parallel.trainer_devices == 1:  # a plain process: do not read RANK/WORLD_SIZE
@@ -81,7 +82,7 @@ def spawn(fn: Callable[..., Any], parallel: ParallelConfig, *args: Any) -> None:
     """Run `fn(*args)` as the `parallel.trainer_devices` ranks of a local process group (gloo or NCCL)."""
     import torch.multiprocessing as mp
 
-    from megatron_rl.trainer.distributed import free_port
+    from megatron_rl.ports import free_port
 
     world = parallel.trainer_devices
     try:

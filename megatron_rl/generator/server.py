@@ -14,11 +14,9 @@ import asyncio
 import contextlib
 import getpass
 import os
-import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +28,7 @@ import aiohttp
 
 from megatron_rl.config import EngineConfig
 from megatron_rl.generator.client import EngineTimeoutError, EngineUnavailableError
+from megatron_rl.ports import free_port, port_is_free
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 32768
 """KV-cache pool size on CPU when none is given: SGLang would otherwise size it from a fraction of host RAM,
@@ -54,61 +53,8 @@ def ready_timeout_s(cfg: EngineConfig, model_path: str | Path) -> float:
     return READY_BASE_S + READY_S_PER_GB * size / 1e9
 
 
-PORT_FLOOR = 20000
-"""(ours) The lowest port `free_port` hands out: above Ray's worker ports (10002-19999 by default)."""
-
 BIND_RETRIES = 3
 """(ours) Starts on a fresh port, per `wait_ready`, after a server could not bind the one it was given."""
-
-_handed_out: set[int] = set()
-"""Ports this process handed out, never handed out twice: two servers started together must not share one."""
-
-
-def ephemeral_range() -> tuple[int, int]:
-    """The kernel's ephemeral port range: every bind to port 0 and every outgoing connection draws from it."""
-    try:
-        low, high = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
-    except (OSError, ValueError):
-        return 32768, 60999  # Linux's default
-    return low, high
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on `host` (all interfaces for "") for a listener that another process binds later.
-
-    Below the ephemeral range where there is room: a port found by binding port 0 comes from that range, the
-    one every other process's bind(0) and outgoing connection draws from too, so in the seconds between its
-    release here and the server's bind (after SGLang's imports and model load) a trainer's rendezvous store or
-    a gloo listener could take it. The server then died with "address already in use" while its warm-up request
-    hung on the other process's socket. Below the range only an explicit bind can take it. (SGLang picks its
-    own NCCL port the same way, `sglang.srt.utils.network.get_free_port_below_ephemeral`.)
-    """
-    below = range(PORT_FLOOR, ephemeral_range()[0])  # empty when the range starts at the floor or under it
-    for port in random.sample(below, min(64, len(below))):
-        if port not in _handed_out and _port_is_free(host, port, reuse=False):
-            _handed_out.add(port)
-            return port
-    while True:  # no room below the range (a kernel configured to hand out every port): the kernel's pick
-        with socket.socket() as sock:
-            sock.bind((host, 0))
-            port = int(sock.getsockname()[1])
-        if port not in _handed_out:
-            _handed_out.add(port)
-            return port
-
-
-def _port_is_free(host: str, port: int, reuse: bool = True) -> bool:
-    """Whether a listener can bind `port` now (`reuse`: as one with SO_REUSEADDR, as uvicorn binds, which may
-    take a port whose last connections are still in TIME_WAIT)."""
-    with socket.socket() as sock:
-        if reuse:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
 
 RUN_TAG = "MEGATRON_RL_RUN_ID"
 """The run id a driver tags its processes with (orchestration/reaper.py): it names the servers' scratch."""
@@ -364,7 +310,7 @@ class SGLangServer:
         """Stop (SIGKILL after `grace_s`) and start again (on the same port if it is still free), then wait
         until ready. The stop waits in a thread: the caller's event loop (the driver's, for a local engine) goes on."""
         await asyncio.to_thread(self.stop, grace_s)
-        if not _port_is_free(self.host, self.port):
+        if not port_is_free(self.host, self.port):
             self.port = free_port(self.host)
         self.restarts += 1
         self.start()

@@ -65,7 +65,7 @@ class Placed:
         """This node's IP and a TCP port free on it: the address of a process group's store hosted here."""
         import ray
 
-        from megatron_rl.generator.server import free_port
+        from megatron_rl.ports import free_port
 
         return ray.util.get_node_ip_address(), free_port("")  # every interface, as the store binds
 

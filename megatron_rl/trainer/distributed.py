@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.config import ParallelConfig
+from megatron_rl.ports import free_port
 
 
 @dataclass(frozen=True)
@@ -28,12 +28,6 @@ class RankInfo:
     ep_rank: int
     dp_rank: int
     device: torch.device
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def process_group_backend(cuda: bool) -> str:

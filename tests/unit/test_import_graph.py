@@ -4,7 +4,7 @@ Every `import` of a megatron_rl module is counted, also those made inside functi
 dependency all the same; it only moves the failure to run time). `from megatron_rl.x import y` depends on
 the submodule `x.y` when there is one, else on `x`. The layers, lowest first:
 
-    config | algo | data, metrics, scaling | models, rewards | rollout | generator, trainer | convert, plan
+    config, ports | algo | data, metrics, scaling | models, rewards | rollout | generator, trainer | convert, plan
     | orchestration | cli
 
 A package may import one of a lower layer, never one of its own layer or above (docs/architecture.md).
@@ -20,7 +20,7 @@ import megatron_rl
 ROOT = Path(megatron_rl.__file__).parent
 
 LAYERS = [
-    {"config"},
+    {"config", "ports"},
     {"algo"},
     {"data", "metrics", "scaling"},
     {"models", "rewards"},

@@ -121,7 +121,7 @@ def errors(gpt, cfg, full: list, hf_dir: str) -> dict[str, str]:
 
 
 def main(spec: dict) -> None:
-    from megatron_rl.trainer.distributed import free_port
+    from megatron_rl.ports import free_port
 
     torch.set_num_threads(1)
     import os

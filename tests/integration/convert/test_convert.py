@@ -58,7 +58,7 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _workers(tmp: Path, jobs: list[dict], world: int) -> list[dict]:
-    from megatron_rl.trainer.distributed import free_port
+    from megatron_rl.ports import free_port
 
     spec = json.dumps({"out": str(tmp / "results.pt"), "jobs": jobs})
     port = str(free_port())

@@ -231,23 +231,25 @@ def test_a_started_engine_keeps_its_temp_files_in_its_own_scratch(tmp_path, monk
 
 def test_engine_and_store_ports_come_from_below_the_ephemeral_range(monkeypatch):
     """A port found by binding port 0 comes from the range every other process's bind(0) and outgoing connection
-    draws from: released, it was taken by a trainer's rendezvous store before the engine bound it. Ports handed
-    out lie below that range, are free when handed out, and are never handed out twice by one process; with no
-    room below the range (every port ephemeral) the kernel picks."""
-    from megatron_rl.generator import server
+    draws from: released, it was taken by a trainer's rendezvous store before the engine bound it, and by another
+    process before a trainer rank's store bound it (EADDRINUSE). Ports handed out, for engines and for trainer
+    ranks' stores alike, lie below that range, are free when handed out, and are never handed out twice by one
+    process; with no room below the range (every port ephemeral) the kernel picks."""
+    from megatron_rl import ports
+    from megatron_rl.trainer import distributed
 
-    low = server.ephemeral_range()[0]
-    ports = [server.free_port() for _ in range(40)] + [server.free_port("")]
-    assert len(set(ports)) == len(ports)
-    assert all(server.PORT_FLOOR <= port < low for port in ports)
-    for port in ports[:5]:
+    low = ports.ephemeral_range()[0]
+    handed = [ports.free_port() for _ in range(40)] + [ports.free_port(""), distributed.free_port()]
+    assert len(set(handed)) == len(handed)
+    assert all(ports.PORT_FLOOR <= port < low for port in handed)
+    for port in handed[:5]:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))  # free: binds without SO_REUSEADDR
     held = socket.socket()
     held.bind(("127.0.0.1", 0))
     try:  # a port held by a listener is never handed out
-        monkeypatch.setattr(server, "PORT_FLOOR", held.getsockname()[1])
-        monkeypatch.setattr(server, "ephemeral_range", lambda: (server.PORT_FLOOR + 1, 60999))
-        assert server.free_port() != held.getsockname()[1]  # the kernel's pick, as if the range had no room
+        monkeypatch.setattr(ports, "PORT_FLOOR", held.getsockname()[1])
+        monkeypatch.setattr(ports, "ephemeral_range", lambda: (ports.PORT_FLOOR + 1, 60999))
+        assert ports.free_port() != held.getsockname()[1]  # the kernel's pick, as if the range had no room
     finally:
         held.close()

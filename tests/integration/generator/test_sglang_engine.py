@@ -21,8 +21,9 @@ import torch
 from megatron_rl.config import EngineConfig, ModelConfig, SamplingConfig, build, load_config, load_model_dict
 from megatron_rl.generator.balancer import EngineBalancer
 from megatron_rl.generator.client import EngineRequestError, EngineUnavailableError, SGLangClient, as_generate_fn
-from megatron_rl.generator.server import SGLangServer, free_port
+from megatron_rl.generator.server import SGLangServer
 from megatron_rl.generator.weight_sync import WeightSender, make_buckets
+from megatron_rl.ports import free_port
 from megatron_rl.rollout.interruption import InterruptionTokens, Segment, generate_completion
 
 pytestmark = pytest.mark.slow

@@ -215,9 +215,10 @@ def test_an_update_that_failed_midway_can_be_sent_again_and_a_dead_engine_fails_
 
     from megatron_rl.config import EngineConfig, ModelConfig, build, load_model_dict
     from megatron_rl.generator.client import SGLangClient
-    from megatron_rl.generator.server import SGLangServer, free_port
+    from megatron_rl.generator.server import SGLangServer
     from megatron_rl.generator.weight_sync import SyncError, WeightSender, make_buckets
     from megatron_rl.models.tiny import build_tiny_model
+    from megatron_rl.ports import free_port
 
     model_dir = build_tiny_model(tmp_path / "model", build(ModelConfig, load_model_dict("cpu_demo")), seed=11)
     new = {name: t + 0.01 for name, t in sorted(load_file(str(model_dir / "model.safetensors")).items())}
@@ -281,9 +282,10 @@ def test_a_hung_engine_fails_the_push_within_the_sync_timeout_and_is_named(tmp_p
 
     from megatron_rl.config import EngineConfig, ModelConfig, build, load_model_dict
     from megatron_rl.generator.client import SGLangClient
-    from megatron_rl.generator.server import SGLangServer, free_port
+    from megatron_rl.generator.server import SGLangServer
     from megatron_rl.generator.weight_sync import SyncError, WeightSender, make_buckets
     from megatron_rl.models.tiny import build_tiny_model
+    from megatron_rl.ports import free_port
 
     timeout = 8.0
     model_dir = build_tiny_model(tmp_path / "model", build(ModelConfig, load_model_dict("cpu_demo")), seed=11)
@@ -378,8 +380,9 @@ def test_an_engine_whose_port_is_taken_before_it_binds_starts_on_another(tmp_pat
 
     from megatron_rl.config import EngineConfig, ModelConfig, build, load_model_dict
     from megatron_rl.generator.client import SGLangClient
-    from megatron_rl.generator.server import SGLangServer, free_port
+    from megatron_rl.generator.server import SGLangServer
     from megatron_rl.models.tiny import build_tiny_model
+    from megatron_rl.ports import free_port
 
     model_dir = build_tiny_model(tmp_path / "model", build(ModelConfig, load_model_dict("cpu_demo")), seed=11)
     engine = EngineConfig(device="cpu", dtype="float32", tp=1, fp32_lm_head=True)

@@ -191,7 +191,7 @@ def test_a_missing_or_misshapen_record_stops_the_step():
     """No silently unreplayed step: a completion without a record, or one of the wrong shape or expert ids, is
     refused naming the completion and the field, and a batch of records SGLang never filled in (all expert 0)
     naming the engine flag, before any collective."""
-    from megatron_rl.trainer.distributed import free_port
+    from megatron_rl.ports import free_port
 
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     cmd = [sys.executable, "-c", REFUSALS, *SINGLE, "algo.routing_replay=rollout"]

@@ -202,7 +202,7 @@ def test_cpu_thd_rope_equals_megatrons_per_sequence_loop(lengths, cp, interleave
 
 
 def _run(tmp: Path, name: str, spec: dict, world: int = 1) -> list[dict]:
-    from megatron_rl.trainer.distributed import free_port
+    from megatron_rl.ports import free_port
 
     spec = {"model": "cpu_demo", "out": str(tmp / name), **spec}
     port = free_port()
