@@ -1,8 +1,9 @@
 """What a run checks of a Hugging Face checkpoint directory without torch: config.json against the model config and
 every weight file's safetensors header. The driver of `megatron-rl train` runs it on `model.hf_path` before anything
 starts (orchestration/warmstart.py); the tensors' names and shapes, which need the family mappings on meta tensors,
-are checked where torch already is: `megatron-rl check` and every trainer rank's import (convert/hf_import.py), with
-the same messages. Importing torch in the driver would hold ~140 MiB there for the whole run.
+are checked where torch already is: `megatron-rl check`, every trainer rank's import (convert/hf_import.py) and a
+driver whose engines failed to start (an engine loading a misshapen tensor dies on a bare assertion), with the same
+messages. Importing torch in the driver would hold ~140 MiB there for the whole run.
 
     index = verify_hf_files(cfg, hf_dir)      # ValueError naming the file, field or dimension that differs
     index = HeaderIndex(hf_dir)               # every tensor's name and shape from the files' headers alone

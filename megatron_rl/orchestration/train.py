@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from megatron_rl.config import RunConfig, save_config
+from megatron_rl.config import ConfigError, RunConfig, save_config
 from megatron_rl.data.datasets import Splits
 from megatron_rl.data.sampler import CurriculumSampler
 from megatron_rl.metrics import ComputeClock, MetricsLogger, end_wandb, start_wandb
@@ -333,7 +333,10 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         raise
     rewards: RewardWorkers | None = None
     try:
-        await asyncio.gather(timeline.timed(engines.start(), "engines"), timeline.timed(trainers.ready(), "trainer"))
+        await asyncio.gather(
+            timeline.timed(_engines_started(engines, run, inputs.policy), "engines"),
+            timeline.timed(trainers.ready(), "trainer"),
+        )
         if launch is not None and launch.servers:
             timeline.mark("engines launched", ago=time.monotonic() - min(s.started_at for s in launch.servers))
 
@@ -389,6 +392,23 @@ async def setup(run: RunConfig, stop: StopFlag) -> Parts:
         if launch is not None:
             launch.close()
         _drop(wandb_run)
+        raise
+
+
+async def _engines_started(engines: EngineGroup, run: RunConfig, policy: Path) -> None:
+    """The engines' start. The driver checks the starting model's config.json and files without torch, not its
+    tensors' shapes: an engine loading one whose config.json matches but a tensor is misshapen dies on a bare assertion
+    in SGLang's loader. A failed start is then explained by the full check (torch imported only now), which names every
+    tensor that differs; a start that failed for another reason keeps its own error."""
+    try:
+        await engines.start()
+    except Exception as exc:
+        from megatron_rl.convert.hf_import import verify_hf_checkpoint
+
+        try:
+            verify_hf_checkpoint(run.model, policy)
+        except ValueError as mismatch:
+            raise ConfigError(f"starting model: {mismatch}") from exc
         raise
 
 

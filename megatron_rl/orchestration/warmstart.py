@@ -64,7 +64,8 @@ def prepare_policy(run: RunConfig, splits: Splits, cache: Path = POLICY_CACHE) -
 
         path = Path(run.model.hf_path)
         try:  # before the trainer ranks and engines start: another model, or weights missing or cut short (without
-            # torch; each trainer rank checks every tensor's name and shape as it imports them)
+            # torch; each trainer rank checks every tensor's name and shape as it imports them, and the driver does
+            # when an engine fails to start: train.py `_engines_started`)
             verify_hf_files(run.model, path)
         except ValueError as exc:
             raise ConfigError(f"model.hf_path: {exc}") from None
